@@ -1,0 +1,144 @@
+"""Bipartite soft matching (paper §3-4) and token downsampling (ToDo), as pure tensor functions.
+
+A ``MergePlan`` is computed once per block call from the block input and then applied to any tensor of the
+same (B, N, ·) layout: before self-attention, cross-attention or the MLP, and undone after them.
+
+Layout of a merged sequence, per batch row: the ``Ns - r`` kept sources first, then the ``Nd`` destinations.
+Every original token has one slot in it (its "slot map"), so merging is one ``index_add_`` plus a division
+by slot counts, and unmerging is one ``index_select``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class MergePlan:
+    """How the N tokens of one block call map onto N - r merged tokens.
+
+    Attributes:
+        slot_index: (B·N,) index dtype; row ``b·N + n`` of the input goes to row ``slot_index[b·N + n]`` of the
+            flattened (B·M, C) merged tensor, M = N - r.
+        counts: (B·M, 1) float; how many input tokens were averaged into each merged row.
+    """
+
+    __slots__ = ("slot_index", "counts", "batch", "tokens", "merged_tokens")
+
+    def __init__(self, slot_index: torch.Tensor, counts: torch.Tensor, batch: int, tokens: int,
+                 merged_tokens: int) -> None:
+        self.slot_index = slot_index
+        self.counts = counts
+        self.batch = batch
+        self.tokens = tokens
+        self.merged_tokens = merged_tokens
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N, C) -> (B, N - r, C): each destination becomes the mean of itself and its sources."""
+        b, n, c = x.shape
+        summed = x.new_zeros(b * self.merged_tokens, c).index_add_(0, self.slot_index, x.reshape(b * n, c))
+        counts = self.counts if self.counts.dtype == x.dtype else self.counts.to(x.dtype)
+        return (summed / counts).view(b, self.merged_tokens, c)
+
+    def unmerge(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N - r, C) -> (B, N, C): every merged source takes its destination's value."""
+        b, m, c = x.shape
+        return x.reshape(b * m, c).index_select(0, self.slot_index).view(b, self.tokens, c)
+
+
+def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values (B, M), index (B, K) -> values[b, index[b, k]] (B, K), through a flat ``index_select``.
+
+    Avoids ``gather``, whose last-dimension-1 case MPS mishandles.
+    """
+    b, m = values.shape
+    offsets = torch.arange(b, dtype=index.dtype, device=index.device)[:, None] * m
+    return values.reshape(-1).index_select(0, (index + offsets).reshape(-1)).view(index.shape)
+
+
+def _put(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """target[b, index[b, k]] = values[b, k] in place, for target (B, M) and index/values (B, K)."""
+    b, m = target.shape
+    offsets = torch.arange(b, dtype=index.dtype, device=index.device)[:, None] * m
+    target.view(-1).index_put_(((index + offsets).reshape(-1),), values.reshape(-1))
+
+
+def best_destinations(a: torch.Tensor, b: torch.Tensor, chunk_elements: int):
+    """For each source row of ``a`` (B, Ns, C) its most similar row of ``b`` (B, Nd, C), by dot product.
+
+    The (B, Ns, Nd) score matrix is never held whole: rows are scored in chunks of at most
+    ``chunk_elements`` scores, so the extra memory is bounded by the chunk, not by Ns·Nd.
+
+    Returns:
+        best score (B, Ns) and the index of the best destination (B, Ns), int64.
+    """
+    batch, ns, _ = a.shape
+    nd = b.shape[1]
+    bt = b.transpose(1, 2)
+    rows = max(1, chunk_elements // max(1, batch * nd))
+    if rows >= ns:
+        return torch.bmm(a, bt).max(dim=-1)
+    best = a.new_empty(batch, ns)
+    where = torch.empty(batch, ns, dtype=torch.int64, device=a.device)
+    for start in range(0, ns, rows):
+        stop = min(ns, start + rows)
+        best[:, start:stop], where[:, start:stop] = torch.bmm(a[:, start:stop], bt).max(dim=-1)
+    return best, where
+
+
+def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: int,
+               chunk_elements: int = 1 << 22) -> MergePlan | None:
+    """Bipartite soft matching: merge the ``r`` sources most similar to some destination.
+
+    Args:
+        metric: (B, N, C) the block input; similarity is the cosine of its rows.
+        src, dst: (Ns,), (Nd,) token positions from ``partition``; their dtype is the index dtype used for
+            every index operation of the plan.
+        r: tokens to remove; capped at Ns. 0 gives None (nothing to do).
+    """
+    batch, tokens, _ = metric.shape
+    ns, nd = src.numel(), dst.numel()
+    r = min(int(r), ns)
+    if r <= 0:
+        return None
+    idt = src.dtype
+    with torch.no_grad():
+        # The clamp only touches all-zero rows, whose cosine would otherwise be NaN.
+        unit = metric / metric.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(metric.dtype).tiny)
+        score, best = best_destinations(unit.index_select(1, src), unit.index_select(1, dst), chunk_elements)
+        order = score.argsort(dim=-1, descending=True).to(idt)  # (B, Ns): most similar sources first
+        best = best.to(idt)
+        kept = ns - r
+        merged_slots = kept + _take(best, order[:, :r])  # sources merged into their destination's slot
+        kept_slots = torch.arange(kept, dtype=idt, device=metric.device).expand(batch, kept)
+        src_slot = torch.empty(batch, ns, dtype=idt, device=metric.device)
+        _put(src_slot, order, torch.cat([merged_slots, kept_slots], dim=1))
+
+        slot = torch.empty(batch, tokens, dtype=idt, device=metric.device)
+        _put(slot, src.expand(batch, ns), src_slot)
+        dst_slots = kept + torch.arange(nd, dtype=idt, device=metric.device)
+        _put(slot, dst.expand(batch, nd), dst_slots.expand(batch, nd))
+
+        merged_tokens = kept + nd
+        offsets = torch.arange(batch, dtype=idt, device=metric.device)[:, None] * merged_tokens
+        slot_index = (slot + offsets).reshape(-1)
+        ones = metric.new_ones(batch * tokens, 1)
+        counts = metric.new_zeros(batch * merged_tokens, 1).index_add_(0, slot_index, ones)
+    return MergePlan(slot_index, counts, batch, tokens, merged_tokens)
+
+
+def downsample_tokens(x: torch.Tensor, h: int, w: int, factor: int, pool: str) -> torch.Tensor:
+    """ToDo's key/value source: (B, h·w, C) -> (B, ceil(h/f)·ceil(w/f), C).
+
+    ``nearest`` keeps the top-left token of each f×f window; ``average`` takes the mean of the window's
+    tokens (partial windows at the right and bottom edge average the tokens they hold).
+    """
+    if factor == 1:
+        return x
+    b, n, c = x.shape
+    grid = x.transpose(1, 2).reshape(b, c, h, w)
+    if pool == "nearest":
+        grid = grid[:, :, ::factor, ::factor]
+    else:
+        grid = F.avg_pool2d(grid, factor, stride=factor, ceil_mode=True)
+    return grid.flatten(2).transpose(1, 2)

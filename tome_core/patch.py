@@ -1,0 +1,342 @@
+"""Reversible patching of ldm/sgm U-Nets: forward hooks only, no class swap, nothing global.
+
+Per patched transformer block:
+- the enclosing ``SpatialTransformer``'s pre-hook records the block's token grid (h, w) from its input, so the
+  grid is known exactly for every latent size and call style;
+- the block's pre-hook computes one merge plan from the block input (or nothing outside the step window,
+  at ratio 0, or on a level that is not selected), and its post-hook drops it;
+- pre/post hooks on ``attn1`` / ``attn2`` / ``ff`` merge their input and unmerge their output (ToMe), or give
+  ``attn1`` a downsampled key/value source (ToDo).
+The U-Net's own pre-hook records the call's timestep for the random partition. A block with no plan runs
+exactly its original code.
+
+Our markers (``_tokenmerge_patch``) differ from tomesd's (``ToMeBlock``, ``_tome_info``, ``_parent``), so the
+webui's built-in ``tomesd.remove_patch`` and ours never undo each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .merge import MergePlan, downsample_tokens, plan_merge
+from .options import MergeOptions, check_number
+from .partition import cell_choices, fixed_partition, host_key, partition, timestep_words
+
+PATCH_ATTR = "_tokenmerge_patch"
+DEFAULT_SEED = 0
+_TODO = object()  # plan marker: this block call downsamples keys/values
+
+
+class _BlockRecord:
+    __slots__ = ("name", "index", "level", "module", "grid", "plan", "key")
+
+    def __init__(self, name: str, index: int, level: int, module: nn.Module) -> None:
+        self.name, self.index, self.level, self.module = name, index, level, module
+        self.grid: tuple[int, int] | None = None
+        self.plan: MergePlan | object | None = None
+        self.key = 0
+
+
+def _is_transformer(module: nn.Module) -> bool:
+    return type(module).__name__ == "SpatialTransformer" and hasattr(module, "transformer_blocks")
+
+
+def _is_block(module: nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("attn1", "attn2", "ff", "norm1", "norm2", "norm3"))
+
+
+def _has_resampler(module: nn.Module, kind: str) -> bool:
+    return any(type(m).__name__ == kind for m in module.modules())
+
+
+def transformer_levels(root: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """Every SpatialTransformer under ``root`` with its downsampling level (0 = latent resolution).
+
+    Levels come from the U-Net's structure (a ``Downsample`` in an input block or an ``Upsample`` in an output
+    block changes the level after that block), not from token counts, so they hold for any latent size. A
+    module tree that is not an ldm/sgm U-Net has all its transformers at level 0.
+    """
+    names = {id(m): n for n, m in root.named_modules()}
+    found: list[tuple[str, nn.Module, int]] = []
+
+    def collect(container: nn.Module, level: int) -> None:
+        for m in container.modules():
+            if _is_transformer(m):
+                found.append((names.get(id(m), ""), m, level))
+
+    if all(hasattr(root, a) for a in ("input_blocks", "middle_block", "output_blocks")):
+        level = 0
+        for block in root.input_blocks:
+            collect(block, level)
+            level += _has_resampler(block, "Downsample")
+        collect(root.middle_block, level)
+        for block in root.output_blocks:
+            collect(block, level)
+            level -= _has_resampler(block, "Upsample")
+    else:
+        collect(root, 0)
+    return found
+
+
+def resolve_unet(model: Any) -> nn.Module:
+    """The module to patch: ``model.model.diffusion_model`` when present (the webui's ``shared.sd_model``),
+    else ``model`` itself."""
+    if model is None:
+        raise TypeError("model must be a torch.nn.Module (an LDM/SGM model, its U-Net or a module tree "
+                        "holding SpatialTransformers), got None")
+    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
+    root = inner if isinstance(inner, nn.Module) else model
+    if not isinstance(root, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (an LDM/SGM model, its U-Net or a module tree "
+                        f"holding SpatialTransformers), got {type(model).__name__}")
+    return root
+
+
+class TokenMergePatch:
+    """The live state of one patched model: its options, hooks and per-call facts."""
+
+    def __init__(self, root: nn.Module, options: MergeOptions) -> None:
+        self.root = root
+        self.options = options
+        self.progress: float | None = None
+        self.timestep: torch.Tensor | float | None = None
+        self._tbits: torch.Tensor | None = None
+        self._handles: list = []
+        self.records: list[_BlockRecord] = []
+        self.selected: list[_BlockRecord] = []
+
+        layout = transformer_levels(root)
+        blocks = [(tname, t, level, i, blk) for tname, t, level in layout
+                  for i, blk in enumerate(t.transformer_blocks) if _is_block(blk)]
+        if not blocks:
+            raise ValueError(f"model {type(root).__name__} has no ldm/sgm transformer blocks "
+                             f"(SpatialTransformer with BasicTransformerBlocks); SD3/MMDiT and Flux models have "
+                             f"no U-Net and cannot be patched")
+        for index, (tname, t, level, i, blk) in enumerate(blocks):
+            self.records.append(_BlockRecord(f"{tname}.transformer_blocks.{i}", index, level, blk))
+        levels = sorted({r.level for r in self.records})
+        if options.max_downsample is None:
+            wanted = {levels[0]}
+        else:
+            wanted = {lv for lv in levels if 2 ** lv <= options.max_downsample}
+        self.selected = [r for r in self.records if r.level in wanted]
+        self._transformers = {}
+        for tname, t, level, i, blk in blocks:
+            self._transformers.setdefault(id(t), (t, []))
+        by_module = {id(r.module): r for r in self.selected}
+        for tname, t, level, i, blk in blocks:
+            if id(blk) in by_module:
+                self._transformers[id(t)][1].append(by_module[id(blk)])
+
+    # -- installation -------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        o = self.options
+        seed = DEFAULT_SEED if o.seed is None else o.seed
+        hook = self._hook
+        if hasattr(self.root, "input_blocks"):
+            hook(self.root.register_forward_pre_hook(self._record_timestep, with_kwargs=True))
+        for t, recs in self._transformers.values():
+            if recs:
+                hook(t.register_forward_pre_hook(_grid_recorder(recs), with_kwargs=True))
+        for rec in self.selected:
+            rec.key = host_key(seed, rec.index)
+            blk = rec.module
+            hook(blk.register_forward_pre_hook(_plan_maker(self, rec), with_kwargs=True))
+            hook(blk.register_forward_hook(_plan_dropper(rec)))
+            if o.method == "todo":
+                hook(blk.attn1.register_forward_pre_hook(_kv_downsampler(rec, o), with_kwargs=True))
+                continue
+            for wanted, sub in ((o.merge_attn, blk.attn1), (o.merge_crossattn, blk.attn2), (o.merge_mlp, blk.ff)):
+                if wanted:
+                    hook(sub.register_forward_pre_hook(_merger(rec), with_kwargs=True))
+                    hook(sub.register_forward_hook(_unmerger(rec)))
+
+    def _hook(self, handle) -> None:
+        self._handles.append(handle)
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for rec in self.records:
+            rec.plan = None
+            rec.grid = None
+
+    # -- per call -----------------------------------------------------------------------------------------
+
+    def _record_timestep(self, module, args, kwargs):
+        self.timestep = args[1] if len(args) > 1 else kwargs.get("timesteps")
+        self._tbits = None
+
+    def timestep_bits(self, device: torch.device) -> torch.Tensor:
+        if self._tbits is None or self._tbits.device != device:
+            self._tbits = timestep_words(self.timestep, device)
+        return self._tbits
+
+    def make_plan(self, rec: _BlockRecord, x: torch.Tensor):
+        o = self.options
+        if rec.grid is None or not o.in_window(self.progress) or x is None or x.dim() != 3:
+            return None
+        h, w = rec.grid
+        tokens = x.shape[1]
+        if tokens != h * w:
+            return None
+        if o.method == "todo":
+            return _TODO if o.todo_factor > 1 else None
+        r = int(tokens * o.ratio)
+        cells = (h // o.sy) * (w // o.sx)
+        if r <= 0 or cells == 0:
+            return None
+        idt = o.index_dtype or (torch.int32 if x.device.type == "mps" else torch.int64)
+        if o.use_rand:
+            choice = cell_choices(rec.key, self.timestep_bits(x.device), cells, o.sx * o.sy)
+            src, dst = partition(h, w, o.sx, o.sy, choice, idt)
+        else:
+            src, dst = fixed_partition(h, w, o.sx, o.sy, x.device, idt)
+        return plan_merge(x, src, dst, r, o.score_chunk_elements)
+
+
+def _first_arg(args, kwargs, name):
+    return args[0] if args else kwargs.get(name)
+
+
+def _grid_recorder(recs: list[_BlockRecord]):
+    def hook(module, args, kwargs):
+        x = _first_arg(args, kwargs, "x")
+        grid = (int(x.shape[-2]), int(x.shape[-1])) if isinstance(x, torch.Tensor) and x.dim() == 4 else None
+        for rec in recs:
+            rec.grid = grid
+    return hook
+
+
+def _plan_maker(patch: TokenMergePatch, rec: _BlockRecord):
+    def hook(module, args, kwargs):
+        rec.plan = patch.make_plan(rec, _first_arg(args, kwargs, "x"))
+    return hook
+
+
+def _plan_dropper(rec: _BlockRecord):
+    def hook(module, args, output):
+        rec.plan = None
+    return hook
+
+
+def _replace_x(args, kwargs, fn):
+    if args:
+        return (fn(args[0]),) + tuple(args[1:]), kwargs
+    kwargs = dict(kwargs)
+    kwargs["x"] = fn(kwargs["x"])
+    return args, kwargs
+
+
+def _merger(rec: _BlockRecord):
+    def hook(module, args, kwargs):
+        plan = rec.plan
+        if plan is None or plan is _TODO:
+            return None
+        return _replace_x(args, kwargs, plan.merge)
+    return hook
+
+
+def _unmerger(rec: _BlockRecord):
+    def hook(module, args, output):
+        plan = rec.plan
+        if plan is None or plan is _TODO:
+            return None
+        return plan.unmerge(output)
+    return hook
+
+
+def _kv_downsampler(rec: _BlockRecord, options: MergeOptions):
+    def hook(module, args, kwargs):
+        if rec.plan is not _TODO:
+            return None
+        positional_context = len(args) > 1
+        context = args[1] if positional_context else kwargs.get("context")
+        if context is not None:  # attn1 is cross-attention here (disable_self_attn): leave it alone
+            return None
+        x = _first_arg(args, kwargs, "x")
+        h, w = rec.grid
+        kv = downsample_tokens(x, h, w, options.todo_factor, options.todo_pool)
+        if positional_context:
+            return (args[0], kv) + tuple(args[2:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["context"] = kv
+        return args, kwargs
+    return hook
+
+
+# -- public API -----------------------------------------------------------------------------------------------
+
+def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = None, sx: int = 2, sy: int = 2,
+                use_rand: bool = True, merge_attn: bool = True, merge_crossattn: bool = False,
+                merge_mlp: bool = False, seed: int | None = None, index_dtype: torch.dtype | None = None,
+                method: str = "tome", todo_factor: int = 2, todo_pool: str = "nearest",
+                step_start: float = 0.0, step_end: float = 1.0,
+                score_chunk_elements: int = 1 << 22) -> Any:
+    """Patch ``model`` in place for token merging (or downsampling) and return it.
+
+    ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), a U-Net, or any module tree holding
+    ldm/sgm ``SpatialTransformer``s. Calling it again replaces the settings. All options are validated before
+    the model is touched: on a ``TypeError``/``ValueError`` the model is left exactly as it was.
+
+    Args mirror tomesd where the meaning is the same (``ratio`` … ``merge_mlp``), plus:
+        max_downsample: None selects the highest-resolution attention level the model has (SDXL's is 2).
+        seed: key of the random partition (with ``use_rand``), together with the call's timestep and the
+            block; None means a fixed default.
+        index_dtype: torch.int32 (MPS-safe) or torch.int64; None picks int32 on ``mps`` and int64 elsewhere.
+        method: "tome" (merge tokens) or "todo" (downsample self-attention's keys and values).
+        todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
+        step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
+        score_chunk_elements: upper bound on similarity scores held at once while finding the merge.
+    """
+    options = MergeOptions(ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, use_rand=use_rand,
+                           merge_attn=merge_attn, merge_crossattn=merge_crossattn, merge_mlp=merge_mlp,
+                           seed=seed, index_dtype=index_dtype, method=method, todo_factor=todo_factor,
+                           todo_pool=todo_pool, step_start=step_start, step_end=step_end,
+                           score_chunk_elements=score_chunk_elements)
+    root = resolve_unet(model)
+    patch = TokenMergePatch(root, options)  # raises before anything changes if there is nothing to patch
+    remove_patch(root)
+    try:
+        patch.install()
+    except BaseException:
+        patch.uninstall()
+        raise
+    setattr(root, PATCH_ATTR, patch)
+    return model
+
+
+def remove_patch(model: Any) -> Any:
+    """Remove every hook and attribute ``apply_patch`` added; a model without our patch is left untouched."""
+    root = resolve_unet(model)
+    patch = root.__dict__.pop(PATCH_ATTR, None)
+    if patch is not None:
+        patch.uninstall()
+    return model
+
+
+def get_patch(model: Any) -> TokenMergePatch | None:
+    """The live patch of ``model`` (its ``options``, ``selected`` blocks, ``progress``), or None."""
+    return getattr(resolve_unet(model), PATCH_ATTR, None)
+
+
+def is_patched(model: Any) -> bool:
+    return get_patch(model) is not None
+
+
+def set_progress(model: Any, progress: float | None) -> None:
+    """Tell the patch how far sampling is (0 = first step, 1 = last); None = unknown (always act).
+
+    The patch acts only while ``step_start <= progress <= step_end``. A model without our patch ignores it.
+    """
+    if progress is not None:
+        check_number("progress", progress, 0.0, 1.0)
+        progress = float(progress)
+    patch = get_patch(model)
+    if patch is not None:
+        patch.progress = progress
