@@ -94,12 +94,13 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
         metric: (B, N, C) the block input; similarity is the cosine of its rows.
         src, dst: (Ns,), (Nd,) token positions from ``partition``; their dtype is the index dtype used for
             every index operation of the plan.
-        r: tokens to remove; capped at Ns. 0 gives None (nothing to do).
+        r: tokens to remove; capped at Ns. None is returned when nothing can merge (r = 0, or a grid
+            smaller than one stride cell, which has no destinations).
     """
     batch, tokens, _ = metric.shape
     ns, nd = src.numel(), dst.numel()
     r = min(int(r), ns)
-    if r <= 0:
+    if r <= 0 or nd == 0:
         return None
     idt = src.dtype
     with torch.no_grad():
