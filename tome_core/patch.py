@@ -191,13 +191,18 @@ class TokenMergePatch:
         cells = (h // o.sy) * (w // o.sx)
         if r <= 0 or cells == 0:
             return None
-        idt = o.index_dtype or (torch.int32 if x.device.type == "mps" else torch.int64)
+        idt = o.index_dtype or default_index_dtype(x.device)
         if o.use_rand:
             choice = cell_choices(rec.key, self.timestep_bits(x.device), cells, o.sx * o.sy)
             src, dst = partition(h, w, o.sx, o.sy, choice, idt)
         else:
             src, dst = fixed_partition(h, w, o.sx, o.sy, x.device, idt)
         return plan_merge(x, src, dst, r, o.score_chunk_elements)
+
+
+def default_index_dtype(device: torch.device) -> torch.dtype:
+    """int32 on Apple's MPS, whose int64 support is partial (no negation, some gathers); int64 elsewhere."""
+    return torch.int32 if device.type == "mps" else torch.int64
 
 
 def _first_arg(args, kwargs, name):
