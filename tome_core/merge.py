@@ -104,9 +104,13 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
         return None
     idt = src.dtype
     with torch.no_grad():
+        # Cosine similarity, but only the destinations are normalised before the matmul: a source's norm
+        # does not change which destination is best, so it divides the (B, Ns) best scores afterwards.
         # The clamp only touches all-zero rows, whose cosine would otherwise be NaN.
-        unit = metric / metric.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(metric.dtype).tiny)
-        score, best = best_destinations(unit.index_select(1, src), unit.index_select(1, dst), chunk_elements)
+        norms = metric.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(metric.dtype).tiny)
+        unit_dst = metric.index_select(1, dst) / norms.index_select(1, dst)
+        score, best = best_destinations(metric.index_select(1, src), unit_dst, chunk_elements)
+        score = score / norms.index_select(1, src).squeeze(-1)
         order = score.argsort(dim=-1, descending=True).to(idt)  # (B, Ns): most similar sources first
         best = best.to(idt)
         kept = ns - r
