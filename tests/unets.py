@@ -30,11 +30,11 @@ def randomize_zero_layers(model: nn.Module, std: float = 0.2) -> nn.Module:
     return model
 
 
-def tiny_unet(layout: str = "sd1", channels: int = 32, seed: int = 0) -> nn.Module:
+def tiny_unet(layout: str = "sd1", channels: int = 32, seed: int = 0, **overrides) -> nn.Module:
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     torch.manual_seed(seed)
-    kw = dict(LAYOUTS[layout])
+    kw = dict(LAYOUTS[layout], **overrides)
     if "num_heads" not in kw:
         kw["num_heads"] = -1
     model = UNetModel(image_size=32, in_channels=4, out_channels=4, model_channels=channels, num_res_blocks=1,

@@ -84,7 +84,9 @@ def build_unet(arch: str, device: torch.device, dtype: torch.dtype, width: float
 
     cfg = dict(ARCHS[arch])
     depths = cfg.pop("depths")
-    cfg["model_channels"] = max(8, int(cfg["model_channels"] * width) // 8 * 8)
+    cfg["model_channels"] = max(32, int(cfg["model_channels"] * width) // 32 * 32)  # GroupNorm needs 32·k
+    if "num_head_channels" in cfg:
+        cfg["num_head_channels"] = min(cfg["num_head_channels"], cfg["model_channels"])
     depth = max(depths.values())
     context_dim = cfg.pop("context_dim")
     torch.manual_seed(0)

@@ -1,0 +1,74 @@
+"""The benchmark runs end to end (quick settings) and loads a real checkpoint's U-Net."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tome_core import bench
+from tome_core.checkpoint import build_from_checkpoint, unet_config
+from unets import LAYOUTS, inputs, tiny_unet
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def test_bench_prints_tables(capsys, tmp_path):
+    plot = tmp_path / "speedup.png"
+    rc = bench.main(["--sizes", "128", "--width", "0.1", "--repeats", "1", "--memory-size", "128", "--quiet",
+                     "--models", "sd15", "sdxl", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "## Whole U-Net step" in out and "## One highest-resolution transformer" in out
+    assert "| sd15   |   128 |" in out and "| sdxl   |   128 |" in out
+    assert "## Merge overhead" in out and "## Peak extra memory" in out
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sdxl_layout_has_its_level_depths():
+    unet, _ = bench.build_unet("sdxl", torch.device("cpu"), torch.float32, width=0.05)
+    depths = {}
+    for name, t, level in __import__("tome_core").patch.transformer_levels(unet):
+        depths.setdefault(level, set()).add(len(t.transformer_blocks))
+    assert depths == {1: {2}, 2: {10}}
+
+
+@pytest.mark.parametrize("layout", ["sd1", "sd2", "sdxl"])
+def test_checkpoint_u_net_is_read_from_its_tensors(tmp_path, layout):
+    from safetensors.torch import save_file
+
+    # Heads cannot be read off weights: SD 1.x has 8, SD 2.x/SDXL 64-channel heads (capped at the width).
+    unet = tiny_unet(layout, **({"num_heads": 8} if layout == "sd1" else {"num_head_channels": 32}))
+    sd = {"model.diffusion_model." + k: v.contiguous() for k, v in unet.state_dict().items()}
+    sd["first_stage_model.decoder.conv_in.weight"] = torch.zeros(3)  # other parts of a checkpoint are ignored
+    path = tmp_path / "tiny.safetensors"
+    save_file(sd, str(path))
+    cfg = unet_config(sd)
+    assert cfg["family"] == ("sd1" if layout == "sd1" else "sd2")  # no label_emb: not SDXL
+    assert cfg["attention_resolutions"] == sorted(LAYOUTS[layout]["attention_resolutions"])
+    assert cfg["channel_mult"] == LAYOUTS[layout]["channel_mult"]
+    loaded, family, context_dim = build_from_checkpoint(str(path), torch.device("cpu"), torch.float32)
+    x, t, c = inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(x, t, context=[c]), unet(x, t, context=c))
+
+
+def test_checkpoint_report_from_the_command_line(tmp_path):
+    from safetensors.torch import save_file
+
+    unet = tiny_unet("sd1")
+    path = tmp_path / "tiny.safetensors"
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in unet.state_dict().items()}, str(path))
+    out = subprocess.run([sys.executable, "-m", "tome_core.bench", "--checkpoint", str(path), "--sizes", "256",
+                          "--ratios", "0.3", "0.6", "--repeats", "1", "--quiet"],
+                         capture_output=True, text=True, check=True, cwd=bench.__file__.rsplit("/tome_core", 1)[0])
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| 0.")]
+    assert len(lines) == 2
+    errors = [[float(v) for v in line.strip("|").split("|")[3:]] for line in lines]
+    assert all(e > 0 for row in errors for e in row)
+    assert sum(errors[1]) > sum(errors[0])  # merging more moves the prediction further
+
+
+def test_checkpoint_without_unet_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no U-Net"):
+        unet_config({"model.diffusion_model.joint_blocks.0.x": torch.zeros(1)})
