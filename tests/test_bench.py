@@ -72,3 +72,12 @@ def test_checkpoint_report_from_the_command_line(tmp_path):
 def test_checkpoint_without_unet_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no U-Net"):
         unet_config({"model.diffusion_model.joint_blocks.0.x": torch.zeros(1)})
+
+
+def test_gpu_check_script_runs_small_on_cpu(capsys):
+    from tome_core import gpucheck
+
+    assert gpucheck.main(["--device", "cpu", "--width", "0.1", "--scale", "0.125", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| sd15   |") == 3 and out.count("| sdxl   |") == 1
+    assert "int32 vs int64 index path" in out and "bitwise equal" in out
