@@ -115,6 +115,8 @@ class TokenMergePatch:
             raise ValueError(f"model {type(root).__name__} has no ldm/sgm transformer blocks "
                              f"(SpatialTransformer with BasicTransformerBlocks); SD3/MMDiT and Flux models have "
                              f"no U-Net and cannot be patched")
+        # Each selected block's record, grouped by the transformer whose input tells its grid.
+        self._grid_sources: dict[int, tuple[nn.Module, list[_BlockRecord]]] = {}
         for index, (tname, t, level, i, blk) in enumerate(blocks):
             self.records.append(_BlockRecord(f"{tname}.transformer_blocks.{i}", index, level, blk))
         levels = sorted({r.level for r in self.records})
@@ -122,14 +124,10 @@ class TokenMergePatch:
             wanted = {levels[0]}
         else:
             wanted = {lv for lv in levels if 2 ** lv <= options.max_downsample}
-        self.selected = [r for r in self.records if r.level in wanted]
-        self._transformers = {}
-        for tname, t, level, i, blk in blocks:
-            self._transformers.setdefault(id(t), (t, []))
-        by_module = {id(r.module): r for r in self.selected}
-        for tname, t, level, i, blk in blocks:
-            if id(blk) in by_module:
-                self._transformers[id(t)][1].append(by_module[id(blk)])
+        for rec, (_, t, *_) in zip(self.records, blocks):
+            if rec.level in wanted:
+                self.selected.append(rec)
+                self._grid_sources.setdefault(id(t), (t, []))[1].append(rec)
 
     # -- installation -------------------------------------------------------------------------------------
 
@@ -139,9 +137,8 @@ class TokenMergePatch:
         hook = self._hook
         if hasattr(self.root, "input_blocks"):
             hook(self.root.register_forward_pre_hook(self._record_timestep, with_kwargs=True))
-        for t, recs in self._transformers.values():
-            if recs:
-                hook(t.register_forward_pre_hook(_grid_recorder(recs), with_kwargs=True))
+        for t, recs in self._grid_sources.values():
+            hook(t.register_forward_pre_hook(_grid_recorder(recs), with_kwargs=True))
         for rec in self.selected:
             rec.key = host_key(seed, rec.index)
             blk = rec.module
