@@ -2,7 +2,7 @@
 
 A host (the webui's Script, its API, an XYZ plot cell, a pasted infotext) hands over raw values; this module
 turns them into a validated ``TokenMergeSettings`` and back into infotext. It knows nothing about any host
-beyond plain values: no webui, gradio or torch imports here, so it is testable alone.
+beyond plain values (no webui or gradio imports), so it is testable alone.
 
 ``PARAMS`` is the table: per parameter its API key (also the dataclass field and positional order), kind,
 default, bounds, UI label (also the hover-hint key), infotext key and XYZ axis label.
@@ -55,9 +55,8 @@ class Param:
             check_number(self.key, value, self.low, self.high, integer=self.kind == INT)
             return int(value) if self.kind == INT else float(value)
         if self.kind == CHOICE:
-            spellings = {c.lower(): c.lower() for c in self.choices}
-            if isinstance(value, str) and value.lower() in spellings:
-                return spellings[value.lower()]
+            if isinstance(value, str) and value.lower() in {c.lower() for c in self.choices}:
+                return value.lower()
             raise ValueError(f"{self.key} must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
         return _normalise_levels(self.key, value)
 
@@ -271,12 +270,11 @@ def ratio_note(ratio: Any, hr_ratio: Any, sx: Any, sy: Any) -> str:
         return ""
     cap = ratio_cap(settings.sx, settings.sy)
     notes = [f"{name} {requested:g} will be used as {cap:.4g}"
-             for name, requested in (("Ratio", settings.ratio), ("Hires ratio", settings.hr_ratio))
+             for name, requested in (("ratio", settings.ratio), ("hires ratio", settings.hr_ratio))
              if requested > cap]
     if not notes:
         return ""
-    return (f"Stride {settings.sx}×{settings.sy} keeps one token of every {settings.sx * settings.sy}, so at most "
-            f"{cap:.4g} of the tokens can merge: {'; '.join(notes)}.")
+    return f"Stride {settings.sx}×{settings.sy} caps the ratio at {cap:.4g}: {'; '.join(notes)}."
 
 
 def evaluation_progress(step: Any, total: Any) -> float | None:

@@ -1,0 +1,250 @@
+"""The ToMe accordion of txt2img and img2img: UI, per-pass patching, infotext and paste-back, API arguments.
+
+API: ``"alwayson_scripts": {"tome": {"args": [...]}}`` with the positional values, in this order (the same in
+both tabs; img2img ignores the two hires values)::
+
+    enabled, ratio, hr_only, hr_ratio, method, max_downsample, sx, sy, use_rand, merge_crossattn, merge_mlp,
+    todo_factor, todo_pool, step_start, step_end
+
+or ``{"args": [{"enabled": true, "ratio": 0.4, ...}]}``: one dict with any of those keys, the rest at their
+defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Any
+
+import gradio as gr
+
+from modules import script_callbacks, scripts, sd_unet, shared
+from modules.ui_components import InputAccordion
+
+import tome_core
+from tome_core import settings as tm
+
+LOG_PREFIX = "[ToMe]"
+BUILTIN_RATIO_SETTINGS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
+# Our own entries in p.extra_generation_params (also the ones an earlier XYZ cell may have left there).
+OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS)
+
+# Every model this module patched and has not yet restored. A set rather than "shared.sd_model" because the
+# current model can change during a job (refiner, checkpoint override) and a failed job leaves its patch on.
+_patched_models: weakref.WeakSet = weakref.WeakSet()
+
+
+def remove_all_patches() -> None:
+    """Restore every model this module patched."""
+    for model in list(_patched_models):
+        tome_core.remove_patch(model)
+        _patched_models.discard(model)
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why ToMe cannot patch ``model`` in this webui, or None when it can."""
+    if model is None:
+        return "no model is loaded"
+    if getattr(model, "is_sd3", False):
+        return "SD3 has no U-Net (it is an MMDiT)"
+    if getattr(sd_unet, "current_unet", None) is not None:
+        return "an alternative U-Net (SD Unet setting, e.g. TensorRT) runs instead of the model's own blocks"
+    unet = getattr(getattr(model, "model", None), "diffusion_model", None)
+    if unet is None:
+        return f"{type(model).__name__} has no U-Net at model.diffusion_model"
+    if type(unet).__module__.partition(".")[0] not in ("ldm", "sgm"):
+        return f"the model's U-Net ({type(unet).__module__}.{type(unet).__name__}) is not an ldm/sgm U-Net"
+    return None
+
+
+def batch_seed(p: Any) -> int:
+    """The seed of the current batch's first image: the key of the random partition, so that one
+    infotext always gives the same image."""
+    for seeds in (getattr(p, "seeds", None), getattr(p, "all_seeds", None)):
+        if seeds:
+            return int(seeds[0])
+    return int(getattr(p, "seed", 0) or 0)
+
+
+def note_once(p: Any, message: str) -> None:
+    """Print ``message`` once per job (hooks that run per batch or per pass would repeat it)."""
+    printed = getattr(p, "tokenmerge_printed", None)
+    if printed is None:
+        printed = set()
+        p.tokenmerge_printed = printed
+    if message not in printed:
+        printed.add(message)
+        print(f"{LOG_PREFIX} {message}")
+
+
+class TokenMergeScript(scripts.Script):
+    section = "accordions"
+
+    def title(self) -> str:
+        return "ToMe"
+
+    def show(self, is_img2img: bool) -> Any:
+        return scripts.AlwaysVisible
+
+    # -- UI ----------------------------------------------------------------------------------------------------
+
+    def _control(self, key: str, **overrides: Any) -> gr.components.Component:
+        param = tm.PARAM[key]
+        common = dict(label=param.label, value=param.to_ui(param.default), elem_id=self.elem_id(key), **overrides)
+        if param.kind == tm.BOOL:
+            return gr.Checkbox(**common)
+        if param.kind in (tm.FLOAT, tm.INT):
+            return gr.Slider(minimum=param.low, maximum=param.high, step=param.step, **common)
+        return gr.Radio(choices=list(param.choices), **common)
+
+    def ui(self, is_img2img: bool) -> list[gr.components.Component]:
+        defaults = tm.DISABLED
+        c: dict[str, gr.components.Component] = {}
+        with InputAccordion(defaults.enabled, label=tm.PARAM["enabled"].label,
+                            elem_id=self.elem_id("enabled")) as c["enabled"]:
+            c["ratio"] = self._control("ratio")
+            note_text = tm.ratio_note(defaults.ratio, defaults.hr_ratio, defaults.sx, defaults.sy)
+            note = gr.Markdown(note_text, visible=bool(note_text), elem_id=self.elem_id("ratio_note"))
+            with gr.Row(visible=not is_img2img):
+                # Hidden in img2img but still built, so that both tabs take the same positional arguments.
+                c["hr_only"] = self._control("hr_only", visible=not is_img2img)
+                c["hr_ratio"] = self._control("hr_ratio", visible=not is_img2img)
+            with gr.Accordion("Advanced", open=False, elem_id=self.elem_id("advanced")):
+                with gr.Row():
+                    c["method"] = self._control("method")
+                    c["max_downsample"] = self._control("max_downsample")
+                with gr.Row():
+                    c["sx"] = self._control("sx")
+                    c["sy"] = self._control("sy")
+                with gr.Row():
+                    c["use_rand"] = self._control("use_rand")
+                    c["merge_crossattn"] = self._control("merge_crossattn")
+                    c["merge_mlp"] = self._control("merge_mlp")
+                with gr.Row():
+                    c["todo_factor"] = self._control("todo_factor")
+                    c["todo_pool"] = self._control("todo_pool")
+                with gr.Row():
+                    c["step_start"] = self._control("step_start")
+                    c["step_end"] = self._control("step_end")
+
+        note_inputs = [c["ratio"], c["hr_ratio"], c["sx"], c["sy"]]
+        for component in note_inputs:
+            component.change(_ratio_note_update, inputs=note_inputs, outputs=[note], show_progress="hidden",
+                             queue=False)
+
+        shown = [key for key in tm.KEYS if not (is_img2img and tm.PARAM[key].txt2img_only)]
+        self.infotext_fields = [(c[key], partial(tm.pasted_value, key)) for key in shown]
+        self.paste_field_names = [tm.PARAM[key].infotext for key in shown if tm.PARAM[key].infotext]
+        return [c[key] for key in tm.KEYS]
+
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    def job_settings(self, p: Any, args: tuple, *, report: bool = False) -> tm.TokenMergeSettings:
+        """The settings of this job: the hook's arguments, then the XYZ cell's overrides. A bad value turns
+        ToMe off for the job; ``report`` prints why (done once, in the job's first hook)."""
+        try:
+            settings = tm.parse_args(args)
+            overrides = getattr(p, tm.OVERRIDES_ATTRIBUTE, None)
+            if overrides:
+                settings = settings.with_overrides(overrides)
+            return settings.without_hires() if self.is_img2img else settings
+        except (TypeError, ValueError) as error:
+            if report:
+                print(f"{LOG_PREFIX} {error}; generating without ToMe")
+            return tm.DISABLED
+
+    def before_process(self, p: Any, *args: Any) -> None:
+        settings = self.job_settings(p, args, report=True)
+        p.tokenmerge_printed = set()
+        # postprocess does not run when sampling raised, so the previous job may have left its patch on.
+        remove_all_patches()
+        if settings.enabled:
+            take_over_builtin_token_merging(p)
+
+    def process_batch(self, p: Any, *args: Any, **kwargs: Any) -> None:
+        settings = self.job_settings(p, args)
+        # Runs after the alternative U-Net is chosen and before the first infotext is written.
+        if settings.enabled and (reason := unsupported_reason(shared.sd_model)):
+            note_once(p, f"skipped: {reason}")
+            settings = tm.DISABLED
+        p.extra_generation_params = {**without_own_infotext(p.extra_generation_params), **settings.to_infotext()}
+
+    def process_before_every_sampling(self, p: Any, *args: Any, **kwargs: Any) -> None:
+        settings = self.job_settings(p, args)
+        hires = bool(getattr(p, "is_hr_pass", False))
+        if not settings.applies_to_pass(hires):
+            remove_all_patches()
+            return
+        model = shared.sd_model
+        reason = unsupported_reason(model)
+        if reason:
+            note_once(p, f"skipped: {reason}")
+            remove_all_patches()
+            return
+        try:
+            if model not in _patched_models:  # another model than the last pass's (refiner, checkpoint switch)
+                remove_all_patches()
+            _patched_models.add(model)
+            tome_core.apply_patch(model, **settings.engine_options(hires=hires, seed=batch_seed(p)))
+        except Exception as error:  # the engine refuses what it cannot patch: never fail the generation
+            remove_all_patches()
+            note_once(p, f"not applied: {error}; generating without ToMe")
+            p.extra_generation_params = without_own_infotext(p.extra_generation_params)
+
+    def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
+        remove_all_patches()
+
+
+def without_own_infotext(params: dict) -> dict:
+    """A copy of ``params`` without our keys. A copy, because XYZ plot cells share one dict and keys an
+    earlier cell wrote must neither leak into this cell nor be changed under that cell's results."""
+    return {key: value for key, value in params.items() if key not in OWN_INFOTEXT_KEYS}
+
+
+def take_over_builtin_token_merging(p: Any) -> None:
+    """Zero the webui's own token merging for this job, so the two never stack: through override_settings,
+    which the webui applies after ``before_process`` and restores afterwards."""
+    overrides = dict(getattr(p, "override_settings", None) or {})
+    active = {key: overrides.get(key, getattr(shared.opts, key, 0.0)) for key in BUILTIN_RATIO_SETTINGS}
+    active = {key: value for key, value in active.items() if value}
+    for attribute in ("token_merging_ratio", "token_merging_ratio_hr"):
+        if getattr(p, attribute, 0):
+            active[f"p.{attribute}"] = getattr(p, attribute)
+            setattr(p, attribute, 0)
+    if active:
+        listed = ", ".join(f"{key}={value}" for key, value in active.items())
+        note_once(p, f"the webui's built-in token merging ({listed}) is off for this job; the ToMe accordion applies")
+    # A new dict: XYZ plot cells share the old one.
+    p.override_settings = {**overrides, **{key: 0.0 for key in BUILTIN_RATIO_SETTINGS}}
+
+
+def _ratio_note_update(ratio: Any, hr_ratio: Any, sx: Any, sy: Any) -> dict:
+    text = tm.ratio_note(ratio, hr_ratio, sx, sy)
+    return gr.update(value=text, visible=bool(text))
+
+
+def _on_cfg_denoiser(params: Any) -> None:
+    """Feed the step window: progress of this model evaluation within the current sampling pass."""
+    if not _patched_models:
+        return
+    denoiser = getattr(params, "denoiser", None)
+    # params.sampling_step lags by one and repeats for second-order samplers; the denoiser's own evaluation
+    # counter does not, and it restarts for the hires pass.
+    progress = tm.evaluation_progress(getattr(denoiser, "step", None), getattr(denoiser, "total_steps", None))
+    for model in list(_patched_models):
+        tome_core.set_progress(model, progress)
+
+
+_callbacks_registered = False
+
+
+def _register_callbacks() -> None:
+    global _callbacks_registered
+    if _callbacks_registered:
+        return
+    _callbacks_registered = True
+    script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
+    script_callbacks.on_script_unloaded(remove_all_patches)
+
+
+_register_callbacks()
