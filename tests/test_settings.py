@@ -1,0 +1,243 @@
+"""tome_core.settings alone: the parameter table, parsing of hook arguments, infotext and derived values."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+import tome_core
+from tome_core import settings as tm
+from tome_core.options import METHODS, TODO_POOLS
+from tome_core.settings import TokenMergeSettings
+
+API_KEYS = ("enabled", "ratio", "hr_only", "hr_ratio", "method", "max_downsample", "sx", "sy", "use_rand",
+            "merge_crossattn", "merge_mlp", "todo_factor", "todo_pool", "step_start", "step_end")
+
+
+def test_table_defines_the_documented_api_order_and_the_dataclass_follows_it():
+    assert tm.KEYS == API_KEYS
+    assert tuple(f.name for f in fields(TokenMergeSettings)) == API_KEYS
+    assert {k: getattr(TokenMergeSettings(), k) for k in API_KEYS} == {p.key: p.default for p in tm.PARAMS}
+
+
+def test_defaults():
+    s = TokenMergeSettings()
+    assert (s.enabled, s.ratio, s.hr_only, s.hr_ratio, s.method, s.max_downsample) == (False, 0.5, False, 0.0,
+                                                                                         "tome", None)
+    assert (s.sx, s.sy, s.use_rand, s.merge_crossattn, s.merge_mlp) == (2, 2, True, False, False)
+    assert (s.todo_factor, s.todo_pool, s.step_start, s.step_end) == (2, "nearest", 0.0, 1.0)
+    assert tm.parse_args(()) == s == tm.DISABLED
+    assert s.ui_values() == [False, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest",
+                             0.0, 1.0]
+    ratio = tm.PARAM["ratio"]
+    assert (ratio.low, ratio.high, ratio.step) == (0.0, 0.9, 0.05)
+
+
+def test_infotext_keys_are_ours_and_never_the_builtin_ones():
+    keys = tm.INFOTEXT_KEYS
+    assert len(set(keys)) == len(keys)
+    assert all(k.startswith("ToMe ") for k in keys)
+    assert not {"Token merging ratio", "Token merging ratio hr"} & set(keys)
+    assert tm.RATIO_INFOTEXT == "ToMe ratio"
+
+
+def test_positional_args_in_order_with_missing_trailing_ones_at_defaults():
+    s = tm.parse_args((True, 0.3, True, 0.6, "ToDo", "4", 3, 1, False, True, True, 4, "average", 0.2, 0.8))
+    assert s == TokenMergeSettings(True, 0.3, True, 0.6, "todo", 4, 3, 1, False, True, True, 4, "average", 0.2, 0.8)
+    assert tm.parse_args((True, 0.3)) == TokenMergeSettings(enabled=True, ratio=0.3)
+    assert tm.parse_args(tuple(TokenMergeSettings(enabled=True, sx=4).ui_values())) == TokenMergeSettings(
+        enabled=True, sx=4)
+    with pytest.raises(ValueError, match="at most 15 arguments"):
+        tm.parse_args(tuple(TokenMergeSettings().ui_values()) + (1,))
+
+
+def test_dict_form_takes_defaults_for_missing_keys_and_ignores_the_other_slots():
+    defaults = TokenMergeSettings().ui_values()[1:]
+    s = tm.parse_args(({"enabled": True, "ratio": 0.3, "method": "todo"}, *defaults))
+    assert s == TokenMergeSettings(enabled=True, ratio=0.3, method="todo")
+    assert tm.parse_args(({"ratio": 0.3},)) == TokenMergeSettings(ratio=0.3)  # "enabled" defaults to off
+    assert tm.parse_args(({},)) == TokenMergeSettings()
+
+
+@pytest.mark.parametrize("values, error, words", [
+    ({"enabled": True, "ratoi": 0.3}, ValueError, ["unknown key 'ratoi'", "ratio"]),
+    ({"ratio": "0.3"}, TypeError, ["ratio", "'0.3'", "[0.0, 0.9]"]),
+    ({"ratio": True}, TypeError, ["ratio", "True"]),
+    ({"enabled": 1}, TypeError, ["enabled", "True or False", "1"]),
+    ({"sx": 2.5}, TypeError, ["sx", "integer", "[1, 8]", "2.5"]),
+    ({"ratio": 0.95}, ValueError, ["ratio", "[0.0, 0.9]", "0.95"]),
+    ({"hr_ratio": -0.1}, ValueError, ["hr_ratio", "[0.0, 0.9]"]),
+    ({"sy": 9}, ValueError, ["sy", "[1, 8]", "9"]),
+    ({"todo_factor": 0}, ValueError, ["todo_factor", "[1, 8]"]),
+    ({"step_end": 1.5}, ValueError, ["step_end", "[0.0, 1.0]"]),
+    ({"step_start": 0.7, "step_end": 0.3}, ValueError, ["step_start", "step_end", "0.7", "0.3"]),
+    ({"method": "fast"}, ValueError, ["method", "'ToMe', 'ToDo'", "'fast'"]),
+    ({"todo_pool": "max"}, ValueError, ["todo_pool", "'nearest', 'average'", "'max'"]),
+    ({"max_downsample": 3}, ValueError, ["max_downsample", "'auto'", "1, 2, 4, 8", "3"]),
+    ({"max_downsample": [2]}, TypeError, ["max_downsample", "[2]"]),
+    ({"ratio": float("nan")}, ValueError, ["ratio", "nan"]),
+])
+def test_bad_values_name_parameter_value_and_range(values, error, words):
+    with pytest.raises(error) as caught:
+        tm.parse_args((values,))
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_choices_and_levels_accept_ui_and_api_spellings():
+    assert TokenMergeSettings(method="ToDo").method == TokenMergeSettings(method="todo").method == "todo"
+    assert TokenMergeSettings(todo_pool="Average").todo_pool == "average"
+    for value in (2, 2.0, "2"):
+        assert TokenMergeSettings(max_downsample=value).max_downsample == 2
+    for value in (None, "auto", "Auto"):
+        assert TokenMergeSettings(max_downsample=value).max_downsample is None
+    assert TokenMergeSettings(sx=3.0).sx == 3 and isinstance(TokenMergeSettings(sx=3.0).sx, int)
+    assert isinstance(TokenMergeSettings(ratio=0).ratio, float)
+
+
+def test_settings_are_frozen_and_replace_validates():
+    s = TokenMergeSettings()
+    with pytest.raises(Exception):
+        s.ratio = 0.2
+    with pytest.raises(ValueError):
+        s.with_overrides({"ratio": 2.0})
+    with pytest.raises(ValueError, match="unknown key"):
+        s.with_overrides({"speed": 2})
+    assert s.with_overrides({"ratio": 0.2}) == TokenMergeSettings(enabled=True, ratio=0.2)
+
+
+def test_pass_ratio_and_engine_options():
+    s = TokenMergeSettings(enabled=True, ratio=0.4, hr_ratio=0.6)
+    assert (s.pass_ratio(False), s.pass_ratio(True)) == (0.4, 0.6)
+    assert TokenMergeSettings(ratio=0.4).pass_ratio(True) == 0.4  # hires ratio 0: same as the ratio
+    assert TokenMergeSettings(ratio=0.9).pass_ratio(False) == 0.75  # stride 2×2 caps at 1 - 1/4
+    assert TokenMergeSettings(ratio=0.9, sx=3, sy=3).pass_ratio(False) == pytest.approx(8 / 9)
+    assert TokenMergeSettings(ratio=0.5, sx=1, sy=1).pass_ratio(False) == 0.0
+    options = s.engine_options(hires=True, seed=42)
+    assert set(options) <= set(inspect.signature(tome_core.apply_patch).parameters)
+    merge = tome_core.MergeOptions(**options)  # the engine accepts every value the table allows
+    assert (merge.ratio, merge.seed, merge.max_downsample, merge.method) == (0.6, 42, None, "tome")
+    assert {tm.PARAM["method"].normalise(c) for c in tm.PARAM["method"].choices} == set(METHODS)
+    assert {tm.PARAM["todo_pool"].normalise(c) for c in tm.PARAM["todo_pool"].choices} == set(TODO_POOLS)
+
+
+def test_which_passes_are_patched():
+    on, hr_only = TokenMergeSettings(enabled=True), TokenMergeSettings(enabled=True, hr_only=True)
+    assert (on.applies_to_pass(False), on.applies_to_pass(True)) == (True, True)
+    assert (hr_only.applies_to_pass(False), hr_only.applies_to_pass(True)) == (False, True)
+    assert not TokenMergeSettings().applies_to_pass(True)
+    assert hr_only.without_hires() == TokenMergeSettings(enabled=True)
+
+
+def test_infotext_when_off_is_empty_and_at_defaults_only_the_ratio():
+    assert TokenMergeSettings(ratio=0.3).to_infotext() == {}
+    assert TokenMergeSettings(enabled=True).to_infotext() == {"ToMe ratio": 0.5}
+
+
+def test_infotext_records_every_non_default_parameter_and_the_effective_ratio():
+    s = TokenMergeSettings(True, 0.9, True, 0.8, "todo", 2, 2, 2, False, True, True, 3, "average", 0.1, 0.9)
+    assert s.to_infotext() == {
+        "ToMe ratio": 0.75, "ToMe hires only": True, "ToMe hr ratio": 0.75, "ToMe method": "ToDo",
+        "ToMe max downsample": "2", "ToMe random": False, "ToMe merge cross-attention": True,
+        "ToMe merge MLP": True, "ToMe ToDo factor": 3, "ToMe ToDo pooling": "average", "ToMe step start": 0.1,
+        "ToMe step end": 0.9}
+    assert TokenMergeSettings(enabled=True, sx=3, sy=1).to_infotext() == {
+        "ToMe ratio": 0.5, "ToMe stride x": 3, "ToMe stride y": 1}
+
+
+ROUND_TRIP = [
+    TokenMergeSettings(enabled=True),
+    TokenMergeSettings(enabled=True, ratio=0.05, hr_ratio=0.35, step_start=0.25, step_end=0.3),
+    TokenMergeSettings(enabled=True, ratio=0.9, sx=3, sy=3, hr_only=True),
+    TokenMergeSettings(True, 0.9, True, 0.8, "todo", 8, 4, 1, False, True, True, 8, "average", 0.15, 0.85),
+    TokenMergeSettings(enabled=True, max_downsample=1, method="ToMe", use_rand=False),
+]
+
+
+@pytest.mark.parametrize("settings", ROUND_TRIP)
+def test_infotext_round_trip_gives_the_same_behaviour(settings):
+    # As the host writes and parses it: str() of every value, read back as strings.
+    text = {key: str(value) for key, value in settings.to_infotext().items()}
+    back = TokenMergeSettings.from_infotext(text)
+    assert back == settings.effective()
+    for hires in (False, True):
+        assert back.engine_options(hires=hires, seed=1) == settings.engine_options(hires=hires, seed=1)
+
+
+def test_from_infotext_without_tome_is_off_and_rejects_bad_text():
+    assert TokenMergeSettings.from_infotext({"Steps": "20"}) == TokenMergeSettings()
+    with pytest.raises(ValueError, match="ratio"):
+        TokenMergeSettings.from_infotext({"ToMe ratio": "fast"})
+    with pytest.raises(ValueError, match="use_rand"):
+        TokenMergeSettings.from_infotext({"ToMe ratio": "0.5", "ToMe random": "maybe"})
+
+
+def test_pasted_values():
+    text = {"ToMe ratio": "0.3", "ToMe method": "ToDo", "ToMe stride x": "4", "ToMe random": "False"}
+    assert tm.pasted_value("enabled", text) is True
+    assert tm.pasted_value("ratio", text) == 0.3
+    assert tm.pasted_value("method", text) == "ToDo"
+    assert tm.pasted_value("sx", text) == 4
+    assert tm.pasted_value("use_rand", text) is False
+    # Absent keys return to their defaults, so the paste reproduces the generation.
+    assert tm.pasted_value("sy", text) == 2
+    assert tm.pasted_value("max_downsample", text) == "auto"
+    assert tm.pasted_value("merge_mlp", text) is False
+    # No ToMe in the text: the accordion turns off, the other controls stay as they are.
+    assert tm.pasted_value("enabled", {"Steps": "20"}) is False
+    assert tm.pasted_value("ratio", {"Steps": "20"}) is None
+    assert tm.pasted_value("ratio", {"ToMe ratio": "lots"}) is None
+
+
+def test_evaluation_progress_counts_each_evaluation_at_the_middle_of_its_share():
+    # Euler, 4 steps: one evaluation a step; the window [0, 0.5] holds steps 0 and 1.
+    assert [tm.evaluation_progress(i, 4) for i in range(4)] == [0.125, 0.375, 0.625, 0.875]
+    # Heun, 3 steps: 6 expected evaluations, 5 made (the last step has one); both of a step stay in its third.
+    heun = [tm.evaluation_progress(i, 6) for i in range(5)]
+    for step, evaluations in enumerate(([0, 1], [2, 3], [4])):
+        assert all(step / 3 < heun[e] < (step + 1) / 3 for e in evaluations)
+    # DDIM, 4 steps: 3 U-Net calls; each lies in its own quarter.
+    assert [tm.evaluation_progress(i, 4) for i in range(3)] == [0.125, 0.375, 0.625]
+    for unknown in [(None, 4), (0, None), (0, 0), (True, 4), (1.0, 4)]:
+        assert tm.evaluation_progress(*unknown) is None
+    assert tm.evaluation_progress(9, 4) == 1.0
+
+
+def test_ratio_note_appears_only_above_the_cap():
+    assert tm.ratio_note(0.5, 0.0, 2, 2) == ""
+    assert tm.ratio_note(0.75, 0.0, 2, 2) == ""
+    assert tm.ratio_note(0.9, 0.0, 2, 2) == "Stride 2×2 caps the ratio at 0.75: ratio 0.9 will be used as 0.75."
+    assert tm.ratio_note(0.5, 0.8, 2, 2) == ("Stride 2×2 caps the ratio at 0.75: hires ratio 0.8 will be used as "
+                                              "0.75.")
+    assert "0.8889" in tm.ratio_note(0.9, 0.0, 3, 3)
+    assert tm.ratio_note(0.85, 0.0, 3, 3) == ""
+    assert tm.ratio_note("x", 0.0, 2, 2) == ""
+
+
+def test_xyz_axes():
+    labels = [axis.label for axis in tm.XYZ_AXES]
+    for required in ("[ToMe] Ratio", "[ToMe] Hires ratio", "[ToMe] Method", "[ToMe] Max downsample",
+                     "[ToMe] Stride", "[ToMe] Step window start", "[ToMe] Step window end"):
+        assert required in labels
+    assert len(labels) == len(set(labels))
+    axes = {axis.label: axis for axis in tm.XYZ_AXES}
+    assert axes["[ToMe] Stride"].overrides(3) == {"sx": 3, "sy": 3}
+    assert axes["[ToMe] Hires ratio"].txt2img_only and not axes["[ToMe] Ratio"].txt2img_only
+    assert axes["[ToMe] Method"].choices == ("ToMe", "ToDo")
+    assert axes["[ToMe] Ratio"].value_type is float and axes["[ToMe] Stride"].value_type is int
+    with pytest.raises(ValueError, match=r"\[ToMe\] Ratio: ratio must be a number in \[0.0, 0.9\], got 1.5"):
+        axes["[ToMe] Ratio"].check(1.5)
+    axes["[ToMe] Max downsample"].check("auto")
+
+
+def test_settings_import_no_host():
+    code = ("import sys, tome_core.settings; "
+            "print(sorted(m for m in ('modules', 'gradio', 'ldm', 'sgm', 'tomesd') if m in sys.modules))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
