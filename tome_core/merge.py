@@ -46,6 +46,14 @@ class MergePlan:
         return x.reshape(b * m, c).index_select(0, self.slot_index).view(b, self.tokens, c)
 
 
+def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x (B, N, C), positions (K,) -> x[:, positions] (B, K, C); one flat ``index_select`` over B·N rows,
+    about twice as fast on the CPU as selecting along dimension 1."""
+    b, n, c = x.shape
+    offsets = torch.arange(b, dtype=positions.dtype, device=positions.device)[:, None] * n
+    return x.reshape(b * n, c).index_select(0, (positions + offsets).reshape(-1)).view(b, -1, c)
+
+
 def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """values (B, M), index (B, K) -> values[b, index[b, k]] (B, K), through a flat ``index_select``.
 
@@ -108,9 +116,9 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
         # does not change which destination is best, so it divides the (B, Ns) best scores afterwards.
         # The clamp only touches all-zero rows, whose cosine would otherwise be NaN.
         norms = metric.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(metric.dtype).tiny)
-        unit_dst = metric.index_select(1, dst) / norms.index_select(1, dst)
-        score, best = best_destinations(metric.index_select(1, src), unit_dst, chunk_elements)
-        score = score / norms.index_select(1, src).squeeze(-1)
+        unit_dst = _rows(metric, dst) / _rows(norms, dst)
+        score, best = best_destinations(_rows(metric, src), unit_dst, chunk_elements)
+        score = score / _rows(norms, src).squeeze(-1)
         order = score.argsort(dim=-1, descending=True).to(idt)  # (B, Ns): most similar sources first
         best = best.to(idt)
         kept = ns - r
