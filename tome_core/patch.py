@@ -16,6 +16,7 @@ webui's built-in ``tomesd.remove_patch`` and ours never undo each other.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -279,7 +280,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                 merge_mlp: bool = False, seed: int | None = None, index_dtype: torch.dtype | None = None,
                 method: str = "tome", todo_factor: int = 2, todo_pool: str = "nearest",
                 step_start: float = 0.0, step_end: float = 1.0,
-                score_chunk_elements: int = 1 << 22) -> Any:
+                score_chunk_elements: int = 1 << 22, **unknown: Any) -> Any:
     """Patch ``model`` in place for token merging (or downsampling) and return it.
 
     ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), a U-Net, or any module tree holding
@@ -296,6 +297,10 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
         step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
         score_chunk_elements: upper bound on similarity scores held at once while finding the merge.
     """
+    if unknown:
+        allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
+        raise TypeError(f"apply_patch got unknown option(s) {', '.join(map(repr, unknown))}; the options are: "
+                        f"{allowed}")
     options = MergeOptions(ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, use_rand=use_rand,
                            merge_attn=merge_attn, merge_crossattn=merge_crossattn, merge_mlp=merge_mlp,
                            seed=seed, index_dtype=index_dtype, method=method, todo_factor=todo_factor,
