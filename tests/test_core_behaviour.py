@@ -11,14 +11,9 @@ from torch import nn
 
 import tome_core
 from tome_core.patch import PATCH_ATTR, transformer_levels
-from unets import LatentModel, hook_counts, inputs, tiny_unet
+from unets import LatentModel, hook_counts, inputs, run, tiny_unet
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def run(unet, x, t, c):
-    with torch.no_grad():
-        return unet(x, t, context=c)
 
 
 def test_ratio_zero_is_bitwise_noop():

@@ -8,14 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome_core
 from tome_core import partition as part
-from unets import LatentModel, hook_counts, inputs, tiny_unet
+from unets import LatentModel, hook_counts, inputs, run, tiny_unet
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def run(unet, x, t, c):
-    with torch.no_grad():
-        return unet(x, t, context=c)
 
 
 # -- reproducible randomness ------------------------------------------------------------------------------

@@ -60,6 +60,11 @@ def inputs(batch: int = 2, h: int = 32, w: int = 32, seed: int = 0, tokens: int 
     return x, t, context
 
 
+def run(unet: nn.Module, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return unet(x, t, context=context)
+
+
 def hook_counts(model: nn.Module) -> dict:
     """Every hook dict of every module, by name, to check that a patch leaves nothing behind."""
     out = {}
