@@ -230,7 +230,8 @@ def _on_cfg_denoiser(params: Any) -> None:
     denoiser = getattr(params, "denoiser", None)
     # params.sampling_step lags by one and repeats for second-order samplers; the denoiser's own evaluation
     # counter does not, and it restarts for the hires pass.
-    progress = tm.evaluation_progress(getattr(denoiser, "step", None), getattr(denoiser, "total_steps", None))
+    progress = tm.evaluation_progress(getattr(denoiser, "step", None), getattr(denoiser, "total_steps", None),
+                                      getattr(denoiser, "steps", None))
     for model in list(_patched_models):
         tome_core.set_progress(model, progress)
 

@@ -197,10 +197,14 @@ def test_pasted_values():
 def test_evaluation_progress_counts_each_evaluation_at_the_middle_of_its_share():
     # Euler, 4 steps: one evaluation a step; the window [0, 0.5] holds steps 0 and 1.
     assert [tm.evaluation_progress(i, 4) for i in range(4)] == [0.125, 0.375, 0.625, 0.875]
-    # Heun, 3 steps: 6 expected evaluations, 5 made (the last step has one); both of a step stay in its third.
-    heun = [tm.evaluation_progress(i, 6) for i in range(5)]
-    for step, evaluations in enumerate(([0, 1], [2, 3], [4])):
-        assert all(step / 3 < heun[e] < (step + 1) / 3 for e in evaluations)
+    # Heun, 3 steps: 6 expected evaluations, 5 made (the last step has one); each counts as its step's middle.
+    assert [tm.evaluation_progress(i, 6, 3) for i in range(5)] == [1 / 6, 1 / 6, 0.5, 0.5, 5 / 6]
+    # Heun, 5 steps: the window [0.5, 1] holds steps 2 (middle 0.5), 3 and 4, both evaluations of each.
+    heun5 = [tm.evaluation_progress(i, 10, 5) for i in range(9)]
+    assert [p >= 0.5 for p in heun5] == [False] * 4 + [True] * 5
+    assert [p >= 0.9 for p in heun5] == [False] * 8 + [True]  # the last step, though it has one evaluation
+    # Without the step count each evaluation is a step of its own.
+    assert [tm.evaluation_progress(i, 6) for i in range(2)] == [0.5 / 6, 1.5 / 6]
     # DDIM, 4 steps: 3 U-Net calls; each lies in its own quarter.
     assert [tm.evaluation_progress(i, 4) for i in range(3)] == [0.125, 0.375, 0.625]
     for unknown in [(None, 4), (0, None), (0, 0), (True, 4), (1.0, 4)]:

@@ -147,6 +147,8 @@ def test_builtin_override_from_a_request_does_not_leak_when_config_lacks_the_key
     ("Euler", 4, [False, False, True, True]),
     # Heun: two evaluations a step, one in the last step.
     ("Heun", 4, [False, False, False, False, True, True, True]),
+    # Heun, 6 steps: 11 evaluations; steps 3-5 (6 evaluations with the last step's single one) are the second half.
+    ("Heun", 6, [False] * 6 + [True] * 5),
     # DDIM: 4 steps call the U-Net 3 times; the third call is the only one in the second half.
     ("DDIM", 4, [False, False, True]),
 ])
@@ -234,4 +236,11 @@ def test_unsupported_models_are_skipped_with_one_line(fresh, capsys, case):
     assert tome_keys(processed.infotexts[0]) == {}
     lines = [line for line in capsys.readouterr().out.splitlines() if "[ToMe]" in line]
     assert len(lines) == 1 and "skipped" in lines[0], lines
+    fresh.assert_pristine()
+
+
+def test_step_window_at_the_end_reaches_heuns_single_evaluation_last_step(fresh):
+    # Heun, 5 steps: 9 evaluations, the last step has one; the window [0.9, 1] holds that step alone.
+    fresh.txt2img(fresh.tome_args(enabled=True, step_start=0.9, step_end=1.0), sampler_name="Heun", steps=5)
+    assert [c.merging for c in fresh.calls] == [False] * 8 + [True]
     fresh.assert_pristine()

@@ -277,19 +277,23 @@ def ratio_note(ratio: Any, hr_ratio: Any, sx: Any, sy: Any) -> str:
     return f"Stride {settings.sx}×{settings.sy} caps the ratio at {cap:.4g}: {'; '.join(notes)}."
 
 
-def evaluation_progress(step: Any, total: Any) -> float | None:
-    """Sampling progress in [0, 1] of model evaluation ``step`` (counted from 0) of ``total`` expected ones
-    in the current pass; None when unknown.
+def evaluation_progress(step: Any, total: Any, steps: Any = None) -> float | None:
+    """Sampling progress in [0, 1] of model evaluation ``step`` (counted from 0) in the current pass, where
+    ``total`` evaluations are expected for ``steps`` sampler steps; None when unknown.
 
-    Each evaluation counts at the middle of its share of the pass, so a step window [a, b] holds exactly the
-    steps whose middle lies in it: [0, 0.5] and [0.5, 1] split a pass into halves. This holds for samplers
-    with two evaluations a step (Heun: both belong to their step) and for samplers that skip the last
-    evaluation (DDIM calls the model once less than its steps; the skipped one is simply never reached).
+    Progress is that of the evaluation's step, taken at the step's middle, so a step window [a, b] holds
+    exactly the steps whose middle lies in it: [0, 0.5] and [0.5, 1] split an even number of steps into
+    halves. Second-order samplers (Heun: ``total`` = 2 × ``steps``) count both evaluations of a step as that
+    step, also in the last step, which makes only one. Samplers that skip the last evaluation (DDIM calls the
+    model once less than its steps) simply never reach it. Without ``steps``, each evaluation is a step.
     """
-    if isinstance(step, bool) or isinstance(total, bool) or not isinstance(step, int) or not isinstance(total, int):
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not whole(step) or not whole(total) or total <= 0 or step < 0:
         return None
-    if total <= 0 or step < 0:
-        return None
+    if whole(steps) and 0 < steps <= total:
+        step, total = step // (total // steps), steps
     return min(1.0, (step + 0.5) / total)
 
 
