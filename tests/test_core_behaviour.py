@@ -171,20 +171,32 @@ def test_every_latent_size_works(monkeypatch, h, w):
     assert any(g == (h, w) for lv, g, _ in grids if lv == 0)
 
 
+class SgmStyleAttention(nn.Module):
+    """sgm's CrossAttention takes extra keyword arguments; this one records them and what x it was given."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.seen = []
+
+    def forward(self, x, context=None, additional_tokens=None, n_times_crossframe_attn_in_self=0):
+        self.seen.append((x.shape[1], additional_tokens, n_times_crossframe_attn_in_self))
+        return self.inner(x, context=context)
+
+
 class SgmStyleBlock(nn.Module):
     """The signature of sgm's BasicTransformerBlock (SDXL): extra arguments reach attn1 and attn2."""
 
     def __init__(self, inner):
         super().__init__()
-        self.inner = inner
-        self.attn1, self.attn2, self.ff = inner.attn1, inner.attn2, inner.ff
+        self.attn1, self.attn2 = SgmStyleAttention(inner.attn1), SgmStyleAttention(inner.attn2)
+        self.ff = inner.ff
         self.norm1, self.norm2, self.norm3 = inner.norm1, inner.norm2, inner.norm3
-        self.seen = []
 
     def forward(self, x, context=None, additional_tokens=None, n_times_crossframe_attn_in_self=0):
-        self.seen.append((additional_tokens, n_times_crossframe_attn_in_self))
-        x = self.attn1(self.norm1(x), context=None) + x
-        x = self.attn2(self.norm2(x), context=context) + x
+        x = self.attn1(self.norm1(x), context=None, additional_tokens=additional_tokens,
+                       n_times_crossframe_attn_in_self=n_times_crossframe_attn_in_self) + x
+        x = self.attn2(self.norm2(x), context=context, additional_tokens=additional_tokens) + x
         return self.ff(self.norm3(x)) + x
 
 
@@ -194,14 +206,19 @@ def test_sgm_block_signature_keeps_working():
     transformer.transformer_blocks[0] = SgmStyleBlock(transformer.transformer_blocks[0])
     x = torch.randn(2, 32, 16, 16)
     c = torch.randn(2, 7, 24)
+    blk = transformer.transformer_blocks[0]
+    extra = torch.randn(2, 3, 32)
     with torch.no_grad():
         base = transformer(x, context=c)
         tome_core.apply_patch(transformer, ratio=0.5)
         out = transformer(x, context=c)
-        blk = transformer.transformer_blocks[0]
-        direct = blk(torch.randn(2, 256, 32), context=c, additional_tokens=None, n_times_crossframe_attn_in_self=0)
+        blk.attn1.seen.clear()
+        direct = blk(torch.randn(2, 256, 32), context=c, additional_tokens=extra, n_times_crossframe_attn_in_self=2)
     assert out.shape == base.shape and not torch.equal(out, base)
     assert direct.shape == (2, 256, 32)
+    # The merged x (256 - 128 tokens) reached attn1 together with sgm's own keyword arguments.
+    tokens, tokens_arg, n_times = blk.attn1.seen[-1]
+    assert (tokens, tokens_arg is extra, n_times) == (128, True, 2)
 
 
 def test_single_spatial_transformer_can_be_patched_alone():
@@ -244,3 +261,34 @@ def test_import_loads_no_host_modules():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=tome_core.__path__[0] + "/..")
     assert out.stdout.strip() == ""
+
+
+def test_each_block_draws_its_own_partition(monkeypatch):
+    """The partition is keyed on (seed, timestep, block): blocks of one level differ within a call, and the
+    same block at the same timestep gets the same partition in every call."""
+    import tome_core.patch as patch_module
+
+    unet = tiny_unet("sd1")
+    x, t, c = inputs()
+    drawn = []
+    original = patch_module.partition
+    monkeypatch.setattr(patch_module, "partition",
+                        lambda h, w, sx, sy, choice, idt: drawn.append(choice.clone()) or
+                        original(h, w, sx, sy, choice, idt))
+    tome_core.apply_patch(unet, ratio=0.5, seed=3)
+    run(unet, x, t, c)
+    run(unet, x, t, c)
+    assert len(drawn) == 6  # three level-0 blocks, two calls
+    first, second = drawn[:3], drawn[3:]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+
+
+def test_diffusion_wrapper_resolves_to_its_u_net():
+    unet = tiny_unet("sd1")
+    wrapper = LatentModel(unet).model  # what the webui calls DiffusionWrapper: .diffusion_model is the U-Net
+    tome_core.apply_patch(wrapper, ratio=0.5)
+    assert tome_core.get_patch(unet) is tome_core.get_patch(wrapper)
+    assert len(tome_core.get_patch(unet).selected) == 3
+    tome_core.remove_patch(wrapper)
+    assert not tome_core.is_patched(unet)

@@ -47,6 +47,7 @@ CASES = [
     ("sd1", 2, 32, 32, dict(ratio=0.5, merge_crossattn=True)),
     ("sd1", 2, 32, 32, dict(ratio=0.5, merge_mlp=True)),
     ("sd1", 1, 24, 32, dict(ratio=0.7, merge_crossattn=True, merge_mlp=True, max_downsample=2)),
+    ("sd1", 2, 32, 32, dict(ratio=0.5, merge_attn=False, merge_mlp=True)),
     ("sd2", 2, 32, 32, dict(ratio=0.5)),
     ("sd2", 1, 40, 24, dict(ratio=0.4, max_downsample=8, merge_mlp=True)),
     ("sd2", 4, 16, 24, dict(ratio=0.5, sx=2, sy=3)),

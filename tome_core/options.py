@@ -74,7 +74,7 @@ class MergeOptions:
     todo_pool: str = "nearest"
     step_start: float = 0.0
     step_end: float = 1.0
-    score_chunk_elements: int = 1 << 22
+    score_chunk_elements: int | None = None
 
     def __post_init__(self) -> None:
         check_number("ratio", self.ratio, 0.0, 1.0, high_inclusive=False)
@@ -97,9 +97,11 @@ class MergeOptions:
         if self.step_start > self.step_end:
             raise ValueError(f"step_start must not exceed step_end, got step_start={self.step_start!r} "
                              f"and step_end={self.step_end!r}")
-        check_number("score_chunk_elements", self.score_chunk_elements, 1, 1 << 40, integer=True)
+        if self.score_chunk_elements is not None:
+            check_number("score_chunk_elements", self.score_chunk_elements, 1, 1 << 40, integer=True)
+            object.__setattr__(self, "score_chunk_elements", int(self.score_chunk_elements))
         # Normalise whole floats (e.g. from JSON) so equality and hashing behave.
-        for name in ("sx", "sy", "todo_factor", "score_chunk_elements"):
+        for name in ("sx", "sy", "todo_factor"):
             object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("ratio", "step_start", "step_end"):
             object.__setattr__(self, name, float(getattr(self, name)))

@@ -83,13 +83,17 @@ def transformer_levels(root: nn.Module) -> list[tuple[str, nn.Module, int]]:
 
 
 def resolve_unet(model: Any) -> nn.Module:
-    """The module to patch: ``model.model.diffusion_model`` when present (the webui's ``shared.sd_model``),
-    else ``model`` itself."""
+    """The module to patch: ``model.model.diffusion_model`` (the webui's ``shared.sd_model``) or
+    ``model.diffusion_model`` when present, else ``model`` itself."""
     if model is None:
         raise TypeError("model must be a torch.nn.Module (an LDM/SGM model, its U-Net or a module tree "
                         "holding SpatialTransformers), got None")
-    inner = getattr(getattr(model, "model", None), "diffusion_model", None)
-    root = inner if isinstance(inner, nn.Module) else model
+    # The webui's sd_model (model.model.diffusion_model) or its DiffusionWrapper (model.diffusion_model).
+    for inner in (getattr(getattr(model, "model", None), "diffusion_model", None),
+                  getattr(model, "diffusion_model", None)):
+        if isinstance(inner, nn.Module):
+            return inner
+    root = model
     if not isinstance(root, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (an LDM/SGM model, its U-Net or a module tree "
                         f"holding SpatialTransformers), got {type(model).__name__}")
@@ -195,12 +199,18 @@ class TokenMergePatch:
             src, dst = partition(h, w, o.sx, o.sy, choice, idt)
         else:
             src, dst = fixed_partition(h, w, o.sx, o.sy, x.device, idt)
-        return plan_merge(x, src, dst, r, o.score_chunk_elements)
+        return plan_merge(x, src, dst, r, o.score_chunk_elements or default_score_chunk(x.device))
 
 
 def default_index_dtype(device: torch.device) -> torch.dtype:
     """int32 on Apple's MPS, whose int64 support is partial (no negation, some gathers); int64 elsewhere."""
     return torch.int32 if device.type == "mps" else torch.int64
+
+
+def default_score_chunk(device: torch.device) -> int:
+    """Similarity scores held at once while finding a merge: 4 Mi on the CPU, where smaller chunks stay fast,
+    and 64 Mi on accelerators, where many small matmuls would cost launches (128 MiB in fp16)."""
+    return 1 << 22 if device.type == "cpu" else 1 << 26
 
 
 def _first_arg(args, kwargs, name):
@@ -280,7 +290,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                 merge_mlp: bool = False, seed: int | None = None, index_dtype: torch.dtype | None = None,
                 method: str = "tome", todo_factor: int = 2, todo_pool: str = "nearest",
                 step_start: float = 0.0, step_end: float = 1.0,
-                score_chunk_elements: int = 1 << 22, **unknown: Any) -> Any:
+                score_chunk_elements: int | None = None, **unknown: Any) -> Any:
     """Patch ``model`` in place for token merging (or downsampling) and return it.
 
     ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), a U-Net, or any module tree holding
@@ -295,7 +305,8 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
         method: "tome" (merge tokens) or "todo" (downsample self-attention's keys and values).
         todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
         step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
-        score_chunk_elements: upper bound on similarity scores held at once while finding the merge.
+        score_chunk_elements: upper bound on similarity scores held at once while finding the merge
+            (None: 4 Mi on the CPU, 64 Mi on accelerators).
     """
     if unknown:
         allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
