@@ -167,6 +167,9 @@ class TokenMergeScript(scripts.Script):
         if settings.enabled and (reason := unsupported_reason(shared.sd_model)):
             note_once(p, f"skipped: {reason}")
             settings = tm.DISABLED
+        if settings.enabled and settings.hr_only and not getattr(p, "enable_hr", False):
+            note_once(p, "'Hires fix only' is on but this job has no hires fix pass: nothing is merged")
+            settings = tm.DISABLED
         p.extra_generation_params = {**without_own_infotext(p.extra_generation_params), **settings.to_infotext()}
 
     def process_before_every_sampling(self, p: Any, *args: Any, **kwargs: Any) -> None:
@@ -214,8 +217,17 @@ def take_over_builtin_token_merging(p: Any) -> None:
     if active:
         listed = ", ".join(f"{key}={value}" for key, value in active.items())
         note_once(p, f"the webui's built-in token merging ({listed}) is off for this job; the ToMe accordion applies")
+    if getattr(p, "override_settings_restore_afterwards", True):
+        zeroed = BUILTIN_RATIO_SETTINGS
+    else:
+        # This request keeps its setting changes: zero only what is on, so that no setting changes needlessly,
+        # and say that those stay at 0.
+        zeroed = tuple(key for key in BUILTIN_RATIO_SETTINGS if key in active)
+        if zeroed:
+            note_once(p, f"override_settings_restore_afterwards is off for this request, so {', '.join(zeroed)} "
+                         f"stay 0 after it")
     # A new dict: XYZ plot cells share the old one.
-    p.override_settings = {**overrides, **{key: 0.0 for key in BUILTIN_RATIO_SETTINGS}}
+    p.override_settings = {**overrides, **{key: 0.0 for key in zeroed}}
 
 
 def _ratio_note_update(ratio: Any, hr_ratio: Any, sx: Any, sy: Any) -> dict:

@@ -244,3 +244,24 @@ def test_step_window_at_the_end_reaches_heuns_single_evaluation_last_step(fresh)
     fresh.txt2img(fresh.tome_args(enabled=True, step_start=0.9, step_end=1.0), sampler_name="Heun", steps=5)
     assert [c.merging for c in fresh.calls] == [False] * 8 + [True]
     fresh.assert_pristine()
+
+
+def test_request_that_keeps_its_setting_changes_only_zeroes_the_builtin_ratio_that_is_on(fresh, capsys):
+    from modules import shared
+
+    shared.opts.token_merging_ratio = 0.3
+    del shared.opts.data["token_merging_ratio_hr"]  # a config.json that never saved this setting
+    fresh.txt2img(fresh.tome_args(enabled=True), override_settings_restore_afterwards=False)
+    assert not any(c.builtin for c in fresh.calls)
+    assert shared.opts.token_merging_ratio == 0.0
+    assert "token_merging_ratio_hr" not in shared.opts.data  # nothing written that was not on
+    assert "token_merging_ratio stay 0 after it" in capsys.readouterr().out
+    fresh.assert_pristine()
+
+
+def test_hires_only_without_hires_fix_merges_nothing_and_records_nothing(fresh, capsys):
+    processed = fresh.txt2img(fresh.tome_args(enabled=True, hr_only=True), enable_hr=False)
+    assert all(c.options is None for c in fresh.calls)
+    assert tome_keys(processed.infotexts[0]) == {}
+    assert "no hires fix pass" in capsys.readouterr().out
+    fresh.assert_pristine()
