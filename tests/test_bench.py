@@ -80,4 +80,4 @@ def test_gpu_check_script_runs_small_on_cpu(capsys):
     assert gpucheck.main(["--device", "cpu", "--width", "0.1", "--scale", "0.125", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("| sd15   |") == 3 and out.count("| sdxl   |") == 1
-    assert "int32 vs int64 index path" in out and "bitwise equal" in out
+    assert "merge plans (partition, matching, slot maps) identical" in out and "bitwise equal" in out

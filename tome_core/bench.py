@@ -72,7 +72,32 @@ def sdp_attention_forward(self, x, context=None, mask=None, **kwargs):
     return self.to_out(out.transpose(1, 2).reshape(b, n, inner))
 
 
+def require_ldm() -> None:
+    """Make ``ldm`` importable: installed, or the webui's own copy when this extension sits in a webui's
+    ``extensions/`` folder (the webui adds it to the path only while it runs)."""
+    try:
+        import ldm.modules.diffusionmodules.openaimodel  # noqa: F401
+        return
+    except ImportError:
+        pass
+    extension = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # <webui>/extensions/<this extension>: from this file, or from the folder it is run in (PWD keeps the
+    # path as typed when the extension folder is a link).
+    starts = (extension, os.getcwd(), os.environ.get("PWD", os.getcwd()))
+    for webui in [os.path.join(start, "..", "..") for start in starts]:
+        candidate = os.path.normpath(os.path.join(webui, "repositories", "stable-diffusion-stability-ai"))
+        if os.path.isdir(os.path.join(candidate, "ldm")) and candidate not in sys.path:
+            sys.path.insert(0, candidate)
+    try:
+        import ldm.modules.diffusionmodules.openaimodel  # noqa: F401,F811
+    except ImportError as error:
+        raise SystemExit(f"the benchmark needs the ldm U-Net classes ({error}). Run it with the webui's Python "
+                         f"from this extension's folder inside the webui, or install them: pip install "
+                         f"--no-deps stable-diffusion-sdkit==2.1.5 einops omegaconf") from None
+
+
 def use_sdp_attention() -> None:
+    require_ldm()
     from ldm.modules.attention import CrossAttention
 
     CrossAttention.forward = sdp_attention_forward

@@ -1,6 +1,6 @@
 """A test double of the AUTOMATIC1111 webui v1.10.1, limited to the API an always-on Script uses.
 
-It is written from the webui's documented behaviour (see the project's host notes), not from its code:
+It is written from the webui's documented and observed behaviour, not from its code:
 - ``modules.*``: scripts (Script, AlwaysVisible, scripts_data, ScriptRunner with the webui's hook dispatch),
   shared (opts, state, sd_model), processing (txt2img/img2img processing objects and ``process_images`` with
   the webui's hook order, hires fix, batches, override settings and the built-in token merging through
