@@ -190,6 +190,8 @@ def test_pasted_values():
     assert tm.pasted_value("merge_mlp", text) is False
     # No ToMe in the text: the accordion turns off, the other controls stay as they are.
     assert tm.pasted_value("enabled", {"Steps": "20"}) is False
+    assert tm.pasted_value("enabled", {"ToMe ratio": "abc"}) is False
+    assert tm.pasted_value("enabled", {"ToMe ratio": "0.95"}) is False  # beyond the slider's range
     assert tm.pasted_value("ratio", {"Steps": "20"}) is None
     assert tm.pasted_value("ratio", {"ToMe ratio": "lots"}) is None
 

@@ -249,8 +249,8 @@ def pasted_value(key: str, params: Mapping[str, str]) -> Any:
     it is) when the text has no ToMe entries or holds a bad value for ``key``; the default when the key is
     absent, so that pasting reproduces the generation."""
     param = PARAM[key]
-    if key == "enabled":
-        return RATIO_INFOTEXT in params
+    if key == "enabled":  # on only with a ratio that parses: a broken ratio must not switch ToMe on
+        return RATIO_INFOTEXT in params and pasted_value("ratio", params) is not None
     if RATIO_INFOTEXT not in params:
         return None
     if param.infotext not in params:
