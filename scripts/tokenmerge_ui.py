@@ -26,6 +26,9 @@ from tome_core import settings as tm
 
 LOG_PREFIX = "[ToMe]"
 BUILTIN_RATIO_SETTINGS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
+# The advanced panel, row by row.
+ADVANCED_ROWS = (("method", "max_downsample"), ("sx", "sy"), ("use_rand", "merge_crossattn", "merge_mlp"),
+                 ("todo_factor", "todo_pool"), ("step_start", "step_end"))
 # Our own entries in p.extra_generation_params (also the ones an earlier XYZ cell may have left there).
 OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS)
 
@@ -110,22 +113,10 @@ class TokenMergeScript(scripts.Script):
                 c["hr_only"] = self._control("hr_only", visible=not is_img2img)
                 c["hr_ratio"] = self._control("hr_ratio", visible=not is_img2img)
             with gr.Accordion("Advanced", open=False, elem_id=self.elem_id("advanced")):
-                with gr.Row():
-                    c["method"] = self._control("method")
-                    c["max_downsample"] = self._control("max_downsample")
-                with gr.Row():
-                    c["sx"] = self._control("sx")
-                    c["sy"] = self._control("sy")
-                with gr.Row():
-                    c["use_rand"] = self._control("use_rand")
-                    c["merge_crossattn"] = self._control("merge_crossattn")
-                    c["merge_mlp"] = self._control("merge_mlp")
-                with gr.Row():
-                    c["todo_factor"] = self._control("todo_factor")
-                    c["todo_pool"] = self._control("todo_pool")
-                with gr.Row():
-                    c["step_start"] = self._control("step_start")
-                    c["step_end"] = self._control("step_end")
+                for row in ADVANCED_ROWS:
+                    with gr.Row():
+                        for key in row:
+                            c[key] = self._control(key)
 
         note_inputs = [c["ratio"], c["hr_ratio"], c["sx"], c["sy"]]
         for component in note_inputs:
