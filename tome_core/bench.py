@@ -170,16 +170,20 @@ class _Wrapped(torch.nn.Module):
         self.model.diffusion_model = unet
 
 
-def _patchers(ratio: float, max_downsample: int | None, use_rand: bool, with_tomesd: bool):
-    """(name, apply(model), remove(model)) for each contender."""
+def _contenders(ratio: float, use_rand: bool, ours_max_downsample: int | None, tomesd_max_downsample: int,
+                tomesd_setup=lambda: None):
+    """(name, apply(wrapped), remove(wrapped)) for no ToMe, ours and, when installed, tomesd."""
     out = [("none", lambda m: None, lambda m: None),
-           ("ours", lambda m: tome_core.apply_patch(m, ratio=ratio, max_downsample=max_downsample,
+           ("ours", lambda m: tome_core.apply_patch(m, ratio=ratio, max_downsample=ours_max_downsample,
                                                    use_rand=use_rand), tome_core.remove_patch)]
-    if with_tomesd:
+    if tomesd_available():
         import tomesd
 
-        out.append(("tomesd", lambda m: tomesd.apply_patch(m, ratio=ratio, max_downsample=max_downsample or 1,
-                                                           use_rand=use_rand), tomesd.remove_patch))
+        def apply_tomesd(m):
+            tomesd.apply_patch(m, ratio=ratio, max_downsample=tomesd_max_downsample, use_rand=use_rand)
+            tomesd_setup()
+
+        out.append(("tomesd", apply_tomesd, tomesd.remove_patch))
     return out
 
 
@@ -217,19 +221,13 @@ def bench_unet(args, device, dtype, progress) -> list[Row]:
             ctx = [torch.randn(args.batch, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
             for ratio in args.ratios:
                 md = args.max_downsample
-                if md is None and arch == "sdxl":
-                    tomesd_md = 2  # give tomesd the level ours picks automatically, so the race is fair
-                else:
-                    tomesd_md = md
+                # On SDXL, give tomesd the level ours picks automatically, so the race is fair.
+                tomesd_md = md or (2 if arch == "sdxl" else 1)
                 ms = {}
-                for name, apply, remove in _patchers(ratio, md, not args.no_rand, tomesd_available() and not args.no_tomesd):
-                    if name == "tomesd":
-                        import tomesd
-
-                        tomesd.apply_patch(wrapped, ratio=ratio, max_downsample=tomesd_md or 1,
-                                           use_rand=not args.no_rand)
-                    else:
-                        apply(wrapped)
+                for name, apply, remove in _contenders(ratio, not args.no_rand, md, tomesd_md):
+                    if name == "tomesd" and args.no_tomesd:
+                        continue
+                    apply(wrapped)
                     try:
                         ms[name] = timed(lambda: unet(x, t, context=ctx), device, args.repeats)
                     finally:
@@ -265,19 +263,18 @@ def bench_block(args, device, dtype, progress) -> list[Row]:
             ctx = [torch.randn(args.batch, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
             for ratio in args.ratios:
                 ms = {}
-                for name, apply, remove in _patchers(ratio, None, not args.no_rand, tomesd_available() and not args.no_tomesd):
-                    if name == "tomesd":
-                        import tomesd
+                def tell_tomesd_the_grid(grid=grid):
+                    # tomesd learns the latent size from a U-Net pre-hook, which a lone block does not have.
+                    transformer._tome_info["size"] = (grid, grid)
 
-                        tomesd.apply_patch(wrapped, ratio=ratio, max_downsample=8, use_rand=not args.no_rand)
-                        # tomesd learns the latent size from a U-Net pre-hook; tell it the block's grid instead
-                        transformer._tome_info["size"] = (grid, grid)
-                    else:
-                        apply(transformer if name == "ours" else wrapped)
+                for name, apply, remove in _contenders(ratio, not args.no_rand, None, 8, tell_tomesd_the_grid):
+                    if name == "tomesd" and args.no_tomesd:
+                        continue
+                    apply(wrapped)
                     try:
                         ms[name] = timed(lambda: transformer(x, context=ctx), device, args.repeats)
                     finally:
-                        remove(transformer if name == "ours" else wrapped)
+                        remove(wrapped)
                     progress.step(f"block {arch} {size}px r={ratio} {name}")
                 rows.append(Row(arch, size, ratio, ms["none"], ms["ours"], ms.get("tomesd")))
     return rows

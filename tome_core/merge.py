@@ -46,12 +46,17 @@ class MergePlan:
         return x.reshape(b * m, c).index_select(0, self.slot_index).view(b, self.tokens, c)
 
 
+def _flat(index: torch.Tensor, width: int) -> torch.Tensor:
+    """Positions (B, K) within each row of a (B, width) layout -> positions (B·K,) in its flattened rows."""
+    offsets = torch.arange(index.shape[0], dtype=index.dtype, device=index.device)[:, None] * width
+    return (index + offsets).reshape(-1)
+
+
 def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """x (B, N, C), positions (K,) -> x[:, positions] (B, K, C); one flat ``index_select`` over B·N rows,
     about twice as fast on the CPU as selecting along dimension 1."""
     b, n, c = x.shape
-    offsets = torch.arange(b, dtype=positions.dtype, device=positions.device)[:, None] * n
-    return x.reshape(b * n, c).index_select(0, (positions + offsets).reshape(-1)).view(b, -1, c)
+    return x.reshape(b * n, c).index_select(0, _flat(positions.expand(b, -1), n)).view(b, -1, c)
 
 
 def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -59,16 +64,12 @@ def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
     Avoids ``gather``, whose last-dimension-1 case MPS mishandles.
     """
-    b, m = values.shape
-    offsets = torch.arange(b, dtype=index.dtype, device=index.device)[:, None] * m
-    return values.reshape(-1).index_select(0, (index + offsets).reshape(-1)).view(index.shape)
+    return values.reshape(-1).index_select(0, _flat(index, values.shape[1])).view(index.shape)
 
 
 def _put(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """target[b, index[b, k]] = values[b, k] in place, for target (B, M) and index/values (B, K)."""
-    b, m = target.shape
-    offsets = torch.arange(b, dtype=index.dtype, device=index.device)[:, None] * m
-    target.view(-1).index_put_(((index + offsets).reshape(-1),), values.reshape(-1))
+    target.view(-1).index_put_((_flat(index, target.shape[1]),), values.reshape(-1))
 
 
 def best_destinations(a: torch.Tensor, b: torch.Tensor, chunk_elements: int):
@@ -133,8 +134,7 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
         _put(slot, dst.expand(batch, nd), dst_slots.expand(batch, nd))
 
         merged_tokens = kept + nd
-        offsets = torch.arange(batch, dtype=idt, device=metric.device)[:, None] * merged_tokens
-        slot_index = (slot + offsets).reshape(-1)
+        slot_index = _flat(slot, merged_tokens)
         ones = metric.new_ones(batch * tokens, 1)
         counts = metric.new_zeros(batch * merged_tokens, 1).index_add_(0, slot_index, ones)
     return MergePlan(slot_index, counts, batch, tokens, merged_tokens)
