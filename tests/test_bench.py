@@ -33,6 +33,24 @@ def test_sdxl_layout_has_its_level_depths():
     assert depths == {1: {2}, 2: {10}}
 
 
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_half_precision_u_net_follows_its_float32_twin(arch, dtype, tolerance):
+    # The GPU runs are half precision: the same weights must predict what float32 predicts, up to rounding.
+    cpu = torch.device("cpu")
+    full, ctx_dim = bench.build_unet(arch, cpu, torch.float32, width=0.1)
+    half, _ = bench.build_unet(arch, cpu, dtype, width=0.1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 16, 16, generator=gen)
+    ctx = [torch.randn(2, 77, ctx_dim, generator=gen)] * 10
+    t = torch.tensor([749.0, 749.0])
+    with torch.no_grad():
+        expected = full(x, t, context=ctx)
+        got = half(x.to(dtype), t, context=[c.to(dtype) for c in ctx])
+    assert got.dtype == dtype
+    assert ((got.float() - expected).norm() / expected.norm()).item() < tolerance
+
+
 @pytest.mark.parametrize("layout", ["sd1", "sd2", "sdxl"])
 def test_checkpoint_u_net_is_read_from_its_tensors(tmp_path, layout):
     from safetensors.torch import save_file
@@ -80,4 +98,5 @@ def test_gpu_check_script_runs_small_on_cpu(capsys):
     assert gpucheck.main(["--device", "cpu", "--width", "0.1", "--scale", "0.125", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("| sd15   |") == 3 and out.count("| sdxl   |") == 1
-    assert "merge plans (partition, matching, slot maps) identical" in out and "bitwise equal" in out
+    assert "merge plans (partition, matching, slot maps) identical" in out
+    assert "bitwise equal" in out or "equal up to half-precision rounding" in out

@@ -122,7 +122,24 @@ def build_unet(arch: str, device: torch.device, dtype: torch.dtype, width: float
         for name, p in unet.named_parameters():
             if ".proj_out." in name or name.startswith("out."):
                 p.normal_(0, 0.02)
-    return unet.to(device=device, dtype=dtype).eval(), context_dim
+    return in_run_dtype(unet, device, dtype), context_dim
+
+
+def in_run_dtype(unet, device: torch.device, dtype: torch.dtype):
+    """Move an ldm U-Net to ``device`` and ``dtype`` for inference, with ldm's float32 corners made consistent.
+
+    ldm casts the latent to ``unet.dtype`` (float32 unless built with ``use_fp16``), feeds ``time_embed`` a
+    float32 timestep embedding and computes GroupNorm32 in float32 from float32 parameters; the webui covers
+    these with autocast on CUDA. Setting them explicitly runs the same way on every device.
+    """
+    unet = unet.to(device=device, dtype=dtype).eval()
+    if dtype != torch.float32:
+        unet.dtype = dtype
+        unet.time_embed.register_forward_pre_hook(lambda module, args: (args[0].to(dtype),))
+        for module in unet.modules():
+            if type(module).__name__ == "GroupNorm32":
+                module.float()
+    return unet
 
 
 def trim_depths(unet, depths: dict) -> None:

@@ -71,7 +71,7 @@ def build_from_checkpoint(path: str, device: torch.device, dtype: torch.dtype):
     """(U-Net, family, context_dim) with the checkpoint's weights loaded."""
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
-    from .bench import trim_depths
+    from .bench import in_run_dtype, trim_depths
 
     sd = load_state_dict(path)
     cfg = unet_config(sd)
@@ -88,7 +88,7 @@ def build_from_checkpoint(path: str, device: torch.device, dtype: torch.dtype):
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the inferred {family} U-Net: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
-    return unet.to(device=device, dtype=dtype).eval(), family, context_dim
+    return in_run_dtype(unet, device, dtype), family, context_dim
 
 
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
