@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -100,3 +101,39 @@ def test_gpu_check_script_runs_small_on_cpu(capsys):
     assert out.count("| sd15   |") == 3 and out.count("| sdxl   |") == 1
     assert "merge plans (partition, matching, slot maps) identical" in out
     assert "bitwise equal" in out or "equal up to half-precision rounding" in out
+
+
+def test_gpu_check_counts_syncs_the_patch_adds(monkeypatch):
+    # CUDA's sync debug mode reports each synchronizing call as a warning. Stand in for it on the CPU: one
+    # simulated sync in the U-Net's own code, then also one in every merge, to run the GPU-only path.
+    from tome_core import gpucheck
+    from tome_core.merge import MergePlan
+
+    mode = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.update(now=m))
+
+    def sync_here(*_):
+        if mode["now"] == "warn":
+            warnings.warn("called a synchronizing CUDA operation")
+
+    unet = tiny_unet("sd1")
+    unet.register_forward_pre_hook(sync_here)
+    x, t, c = inputs()
+    assert gpucheck.sync_check(unet, x, t, c) == "1 unpatched (ldm's own), 1 patched: none added by the patch"
+    assert mode["now"] == 0  # the debug mode is switched off again
+
+    # Expected merges per call: one per block at the highest resolution (default levels, self-attention only).
+    tokens = []
+    blocks = [m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    handles = [b.register_forward_pre_hook(lambda m, a, k: tokens.append((a[0] if a else k["x"]).shape[1]),
+                                           with_kwargs=True) for b in blocks]
+    with torch.no_grad():
+        unet(x, t, context=c)
+    for h in handles:
+        h.remove()
+    merges = tokens.count(max(tokens))
+    plain_merge = MergePlan.merge
+    monkeypatch.setattr(MergePlan, "merge", lambda self, v: (sync_here(), plain_merge(self, v))[1])
+    assert gpucheck.sync_check(unet, x, t, c) == (f"1 unpatched (ldm's own), {1 + merges} patched: "
+                                                  f"{merges} added by the patch")

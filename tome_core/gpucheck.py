@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 import torch
 
@@ -36,29 +37,35 @@ def same_plans(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.equal(a.slot_index, b.slot_index.long()) and torch.equal(a.counts, b.counts)
 
 
-def count_syncs(unet, x, t, ctx) -> str:
-    """Run one U-Net call with CUDA's sync debug mode set to raise on any host-device sync."""
+def count_syncs(unet, x, t, ctx) -> int:
+    """Host-device syncs in one U-Net call (after a warm-up), counted through CUDA's sync debug mode.
+
+    Counted rather than raised on: ldm itself syncs (its timestep embedding copies a host tensor to the
+    device), and the first sync would hide any later one.
+    """
     with torch.no_grad():
         unet(x, t, context=ctx)  # warm-up: grid layouts are built and cached on first use
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            unet(x, t, context=ctx)
-        except RuntimeError as error:
-            return f"a sync happened: {error}"
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return "none"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                unet(x, t, context=ctx)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def sync_check(unet, x, t, ctx) -> str:
-    """Host-device syncs in one unpatched and one patched U-Net call, so a sync in ldm itself is told apart."""
+    """Syncs of one unpatched and one patched U-Net call: the patch should add none."""
     unpatched = count_syncs(unet, x, t, ctx)
     tome_core.apply_patch(unet, ratio=0.5, seed=1)
     try:
-        return f"unpatched {unpatched}, patched {count_syncs(unet, x, t, ctx)}"
+        patched = count_syncs(unet, x, t, ctx)
     finally:
         tome_core.remove_patch(unet)
+    added = patched - unpatched
+    return f"{unpatched} unpatched (ldm's own), {patched} patched: {'none' if added == 0 else added} added by the patch"
 
 
 def main(argv=None) -> int:
@@ -107,7 +114,7 @@ def main(argv=None) -> int:
           f"{'identical' if plans_equal else 'DIFFERENT'}; SD 1.5 U-Net output at {lat * 8} px: max |difference| "
           f"= {diff:.3g}, {relative:.2g} of the largest output ({verdict})")
     if device.type == "cuda":
-        print(f"\nhost-device syncs in a U-Net call (after warm-up): {sync_check(unet, x, t, ctx)}")
+        print(f"\nhost-device syncs in one U-Net call: {sync_check(unet, x, t, ctx)}")
     print(f"\n_total {time.time() - t0:.0f} s_")
     return 0
 
