@@ -14,6 +14,16 @@ from unets import LAYOUTS, inputs, tiny_unet
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
+@pytest.fixture(autouse=True)
+def sdp_attention_for_this_test_only(monkeypatch):
+    """The benchmark swaps ldm's attention for SDP process-wide (ldm's own one fails in float16); give every
+    test here that swap and take it back afterwards, so other test files see ldm as it is."""
+    from ldm.modules.attention import CrossAttention
+
+    monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
+    bench.use_sdp_attention()
+
+
 def test_bench_prints_tables(capsys, tmp_path):
     plot = tmp_path / "speedup.png"
     rc = bench.main(["--sizes", "128", "--width", "0.1", "--repeats", "1", "--memory-size", "128", "--quiet",
@@ -50,6 +60,29 @@ def test_half_precision_u_net_follows_its_float32_twin(arch, dtype, tolerance):
         got = half(x.to(dtype), t, context=[c.to(dtype) for c in ctx])
     assert got.dtype == dtype
     assert ((got.float() - expected).norm() / expected.norm()).item() < tolerance
+
+
+def test_half_precision_merge_follows_the_float32_merge():
+    # ToMe in float16 must land where ToMe in float32 lands, up to rounding: much closer to it than the
+    # merge itself moves the prediction (a wrong half-precision merge would be off by about the merge effect).
+    import tome_core
+
+    cpu = torch.device("cpu")
+    full, ctx_dim = bench.build_unet("sd15", cpu, torch.float32, width=0.1)
+    half, _ = bench.build_unet("sd15", cpu, torch.float16, width=0.1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 32, 32, generator=gen)
+    ctx = [torch.randn(2, 77, ctx_dim, generator=gen)]
+    t = torch.tensor([749.0, 749.0])
+    with torch.no_grad():
+        unmerged = full(x, t, context=ctx)
+        for unet in (full, half):
+            tome_core.apply_patch(unet, ratio=0.5, seed=3)
+        merged = full(x, t, context=ctx)
+        merged_half = half(x.half(), t, context=[c.half() for c in ctx]).float()
+    effect = (merged - unmerged).norm()
+    assert effect > 0
+    assert (merged_half - merged).norm() < effect / 3
 
 
 @pytest.mark.parametrize("layout", ["sd1", "sd2", "sdxl"])
