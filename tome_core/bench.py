@@ -457,7 +457,8 @@ def main(argv=None) -> int:
 
         checkpoint_report(args, device, dtype)
         return 0
-    runs = len(args.models) * len(args.sizes) * len(args.ratios) * (3 if tomesd_available() and not args.no_tomesd else 2)
+    contenders = 3 if tomesd_available() and not args.no_tomesd else 2
+    runs = len(args.models) * len(args.sizes) * len(args.ratios) * contenders
     progress = Progress(runs * (("unet" not in args.skip) + ("block" not in args.skip)), not args.quiet)
     unet_rows = block_rows = []
     if "block" not in args.skip:

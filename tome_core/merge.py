@@ -115,11 +115,15 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
     with torch.no_grad():
         # Cosine similarity, but only the destinations are normalised before the matmul: a source's norm
         # does not change which destination is best, so it divides the (B, Ns) best scores afterwards.
-        # The clamp only touches all-zero rows, whose cosine would otherwise be NaN.
-        norms = metric.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(metric.dtype).tiny)
-        unit_dst = _rows(metric, dst) / _rows(norms, dst)
+        # Norms and that division are at least float32 for half-precision tokens too: a float16 norm can
+        # overflow, and the ranking of sources is less rounded (the matmul keeps the tokens' dtype). The
+        # clamp only touches all-zero rows, whose cosine would otherwise be NaN.
+        exact = torch.promote_types(metric.dtype, torch.float32)
+        norms = torch.linalg.vector_norm(metric, dim=-1, keepdim=True, dtype=exact)
+        norms = norms.clamp_min(torch.finfo(exact).tiny)
+        unit_dst = (_rows(metric, dst).to(exact) / _rows(norms, dst)).to(metric.dtype)
         score, best = best_destinations(_rows(metric, src), unit_dst, chunk_elements)
-        score = score / _rows(norms, src).squeeze(-1)
+        score = score.to(exact) / _rows(norms, src).squeeze(-1)
         order = score.argsort(dim=-1, descending=True).to(idt)  # (B, Ns): most similar sources first
         best = best.to(idt)
         kept = ns - r
