@@ -115,9 +115,9 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
     with torch.no_grad():
         # Cosine similarity, but only the destinations are normalised before the matmul: a source's norm
         # does not change which destination is best, so it divides the (B, Ns) best scores afterwards.
-        # Norms and that division are at least float32 for half-precision tokens too: a float16 norm can
-        # overflow, and the ranking of sources is less rounded (the matmul keeps the tokens' dtype). The
-        # clamp only touches all-zero rows, whose cosine would otherwise be NaN.
+        # Norms and that division are at least float32 for half-precision tokens too, so the scores that rank
+        # the sources carry one rounding (the matmul's) instead of three. The clamp only touches all-zero
+        # rows, whose cosine would otherwise be NaN.
         exact = torch.promote_types(metric.dtype, torch.float32)
         norms = torch.linalg.vector_norm(metric, dim=-1, keepdim=True, dtype=exact)
         norms = norms.clamp_min(torch.finfo(exact).tiny)
