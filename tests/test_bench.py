@@ -44,20 +44,26 @@ def test_sdxl_layout_has_its_level_depths():
     assert depths == {1: {2}, 2: {10}}
 
 
-@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
-def test_half_precision_u_net_follows_its_float32_twin(arch, dtype, tolerance):
-    # The GPU runs are half precision: the same weights must predict what float32 predicts, up to rounding.
+def _float32_and_half_twins(arch, dtype, latent):
+    """The same random U-Net in float32 and in ``dtype``, with inputs in each one's dtype."""
     cpu = torch.device("cpu")
     full, ctx_dim = bench.build_unet(arch, cpu, torch.float32, width=0.1)
     half, _ = bench.build_unet(arch, cpu, dtype, width=0.1)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 16, 16, generator=gen)
+    x = torch.randn(2, 4, latent, latent, generator=gen)
     ctx = [torch.randn(2, 77, ctx_dim, generator=gen)] * 10
     t = torch.tensor([749.0, 749.0])
+    return (full, (x, t), dict(context=ctx)), (half, (x.to(dtype), t), dict(context=[c.to(dtype) for c in ctx]))
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_half_precision_u_net_follows_its_float32_twin(arch, dtype, tolerance):
+    # The GPU runs are half precision: the same weights must predict what float32 predicts, up to rounding.
+    (full, args, kwargs), (half, half_args, half_kwargs) = _float32_and_half_twins(arch, dtype, 16)
     with torch.no_grad():
-        expected = full(x, t, context=ctx)
-        got = half(x.to(dtype), t, context=[c.to(dtype) for c in ctx])
+        expected = full(*args, **kwargs)
+        got = half(*half_args, **half_kwargs)
     assert got.dtype == dtype
     assert ((got.float() - expected).norm() / expected.norm()).item() < tolerance
 
@@ -67,19 +73,13 @@ def test_half_precision_merge_follows_the_float32_merge():
     # merge itself moves the prediction (a wrong half-precision merge would be off by about the merge effect).
     import tome_core
 
-    cpu = torch.device("cpu")
-    full, ctx_dim = bench.build_unet("sd15", cpu, torch.float32, width=0.1)
-    half, _ = bench.build_unet("sd15", cpu, torch.float16, width=0.1)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 32, 32, generator=gen)
-    ctx = [torch.randn(2, 77, ctx_dim, generator=gen)]
-    t = torch.tensor([749.0, 749.0])
+    (full, args, kwargs), (half, half_args, half_kwargs) = _float32_and_half_twins("sd15", torch.float16, 32)
     with torch.no_grad():
-        unmerged = full(x, t, context=ctx)
+        unmerged = full(*args, **kwargs)
         for unet in (full, half):
             tome_core.apply_patch(unet, ratio=0.5, seed=3)
-        merged = full(x, t, context=ctx)
-        merged_half = half(x.half(), t, context=[c.half() for c in ctx]).float()
+        merged = full(*args, **kwargs)
+        merged_half = half(*half_args, **half_kwargs).float()
     effect = (merged - unmerged).norm()
     assert effect > 0
     assert (merged_half - merged).norm() < effect / 3
