@@ -32,10 +32,12 @@ _TODO = object()  # plan marker: this block call downsamples keys/values
 
 
 class _BlockRecord:
-    __slots__ = ("name", "index", "level", "module", "grid", "plan", "key")
+    __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key")
 
     def __init__(self, name: str, index: int, level: int, module: nn.Module) -> None:
         self.name, self.index, self.level, self.module = name, index, level, module
+        # attn1 attends to the text instead in blocks built with disable_self_attn.
+        self.self_attention = not getattr(module, "disable_self_attn", False)
         self.grid: tuple[int, int] | None = None
         self.plan: MergePlan | object | None = None
         self.key = 0
@@ -152,9 +154,10 @@ class TokenMergePatch:
             if o.method == "todo":
                 hook(blk.attn1.register_forward_pre_hook(_kv_downsampler(rec, o), with_kwargs=True))
                 continue
-            for wanted, sub in ((o.merge_attn, blk.attn1), (o.merge_crossattn, blk.attn2), (o.merge_mlp, blk.ff)):
+            for wanted, sub, self_attention in ((o.merge_attn, blk.attn1, rec.self_attention),
+                                                (o.merge_crossattn, blk.attn2, False), (o.merge_mlp, blk.ff, False)):
                 if wanted:
-                    hook(sub.register_forward_pre_hook(_merger(rec), with_kwargs=True))
+                    hook(sub.register_forward_pre_hook(_merger(rec, self_attention), with_kwargs=True))
                     hook(sub.register_forward_hook(_unmerger(rec)))
 
     def _hook(self, handle) -> None:
@@ -238,20 +241,52 @@ def _plan_dropper(rec: _BlockRecord):
     return hook
 
 
-def _replace_x(args, kwargs, fn):
-    if args:
-        return (fn(args[0]),) + tuple(args[1:]), kwargs
-    kwargs = dict(kwargs)
-    kwargs["x"] = fn(kwargs["x"])
-    return args, kwargs
+# Where the keys' and values' source of an attention call can be: ldm and sgm call self-attention with
+# context None (keys and values come from x); Forge passes ``context=`` and ``value=`` explicitly as soon as
+# any attn1 patch is set (its own token merging, other extensions), usually the very tensor given as x.
+_KV_SLOTS = ((1, "context"), (None, "value"))  # (position, keyword); value is keyword-only (Forge's)
 
 
-def _merger(rec: _BlockRecord):
+def _slot(args, kwargs, index: int | None, name: str):
+    return args[index] if index is not None and len(args) > index else kwargs.get(name)
+
+
+def _per_token(t, x: torch.Tensor) -> bool:
+    """``t`` holds one row per token of ``x`` (so a merge plan or the token grid applies to it)."""
+    return isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] == x.shape[:2]
+
+
+def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict) -> None:
+    """Apply ``fn`` in place to each explicitly passed key/value source that has one row per token of ``x``;
+    ``done`` maps ids of tensors already mapped (Forge passes the same tensor as x, context and value).
+    Sources of another length (text, extra reference tokens) stay as they are."""
+    for index, name in _KV_SLOTS:
+        t = _slot(args, kwargs, index, name)
+        if not _per_token(t, x):
+            continue
+        if id(t) not in done:
+            done[id(t)] = fn(t)
+        if index is not None and len(args) > index:
+            args[index] = done[id(t)]
+        else:
+            kwargs[name] = done[id(t)]
+
+
+def _merger(rec: _BlockRecord, self_attention: bool):
     def hook(module, args, kwargs):
         plan = rec.plan
         if plan is None or plan is _TODO:
             return None
-        return _replace_x(args, kwargs, plan.merge)
+        x = _first_arg(args, kwargs, "x")
+        done = {id(x): plan.merge(x)}
+        args, kwargs = list(args), dict(kwargs)
+        if args:
+            args[0] = done[id(x)]
+        else:
+            kwargs["x"] = done[id(x)]
+        if self_attention:
+            _map_kv_sources(args, kwargs, x, plan.merge, done)
+        return tuple(args), kwargs
     return hook
 
 
@@ -265,21 +300,22 @@ def _unmerger(rec: _BlockRecord):
 
 
 def _kv_downsampler(rec: _BlockRecord, options: MergeOptions):
+    """Self-attention's keys and values from the downsampled token grid; queries stay whole."""
     def hook(module, args, kwargs):
-        if rec.plan is not _TODO:
-            return None
-        positional_context = len(args) > 1
-        context = args[1] if positional_context else kwargs.get("context")
-        if context is not None:  # attn1 is cross-attention here (disable_self_attn): leave it alone
+        if rec.plan is not _TODO or not rec.self_attention:
             return None
         x = _first_arg(args, kwargs, "x")
         h, w = rec.grid
-        kv = downsample_tokens(x, h, w, options.todo_factor, options.todo_pool)
-        if positional_context:
-            return (args[0], kv) + tuple(args[2:]), kwargs
-        kwargs = dict(kwargs)
-        kwargs["context"] = kv
-        return args, kwargs
+
+        def downsample(t: torch.Tensor) -> torch.Tensor:
+            return downsample_tokens(t, h, w, options.todo_factor, options.todo_pool)
+
+        args, kwargs = list(args), dict(kwargs)
+        if _slot(args, kwargs, *_KV_SLOTS[0]) is None:  # keys and values would come from x itself
+            kwargs["context"] = downsample(x)
+        else:
+            _map_kv_sources(args, kwargs, x, downsample, {})
+        return tuple(args), kwargs
     return hook
 
 
