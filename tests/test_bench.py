@@ -1,5 +1,6 @@
 """The benchmark runs end to end (quick settings) and loads a real checkpoint's U-Net."""
 
+import os
 import subprocess
 import sys
 import warnings
@@ -7,37 +8,41 @@ import warnings
 import pytest
 import torch
 
-from tome_core import bench
-from tome_core.checkpoint import build_from_checkpoint, unet_config
+from tome_core.bench import archs, cli
+from tome_core.bench.checkpoint import build_from_checkpoint, unet_config
 from unets import LAYOUTS, inputs, tiny_unet
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
-def sdp_attention_for_this_test_only(monkeypatch):
-    """The benchmark swaps ldm's attention for SDP process-wide (ldm's own one fails in float16); give every
-    test here that swap and take it back afterwards, so other test files see ldm as it is."""
+def webui_unet_for_this_test_only(monkeypatch):
+    """The benchmark patches ldm process-wide as the webui does (SDP attention, since ldm's own fails in
+    float16; a resizing torch.cat); give every test here those patches and take them back afterwards, so other
+    test files see ldm as it is."""
     from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules import openaimodel
 
     monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
-    bench.use_sdp_attention()
+    monkeypatch.setattr(openaimodel, "th", openaimodel.th)
+    archs.use_webui_unet()
 
 
 def test_bench_prints_tables(capsys, tmp_path):
     plot = tmp_path / "speedup.png"
-    rc = bench.main(["--sizes", "128", "--width", "0.1", "--repeats", "1", "--memory-size", "128", "--quiet",
-                     "--models", "sd15", "sdxl", "--plot", str(plot)])
+    rc = cli.main(["--sizes", "128", "--width", "0.1", "--repeats", "1", "--memory-size", "128", "--quiet",
+                   "--models", "sd15", "sdxl", "--plot", str(plot)])
     out = capsys.readouterr().out
     assert rc == 0
     assert "## Whole U-Net step" in out and "## One highest-resolution transformer" in out
-    assert "| sd15   |   128 |" in out and "| sdxl   |   128 |" in out
+    assert out.count("| sd15 | 128 | 0.50 |") == 2 and out.count("| sdxl | 128 | 0.50 |") == 2
     assert "## Merge overhead" in out and "## Peak extra memory" in out
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_sdxl_layout_has_its_level_depths():
-    unet, _ = bench.build_unet("sdxl", torch.device("cpu"), torch.float32, width=0.05)
+    unet, _ = archs.build_unet("sdxl", torch.device("cpu"), torch.float32, width=0.05)
     depths = {}
     for name, t, level in __import__("tome_core").patch.transformer_levels(unet):
         depths.setdefault(level, set()).add(len(t.transformer_blocks))
@@ -47,8 +52,8 @@ def test_sdxl_layout_has_its_level_depths():
 def _float32_and_half_twins(arch, dtype, latent):
     """The same random U-Net in float32 and in ``dtype``, with inputs in each one's dtype."""
     cpu = torch.device("cpu")
-    full, ctx_dim = bench.build_unet(arch, cpu, torch.float32, width=0.1)
-    half, _ = bench.build_unet(arch, cpu, dtype, width=0.1)
+    full, ctx_dim = archs.build_unet(arch, cpu, torch.float32, width=0.1)
+    half, _ = archs.build_unet(arch, cpu, dtype, width=0.1)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 4, latent, latent, generator=gen)
     ctx = [torch.randn(2, 77, ctx_dim, generator=gen)] * 10
@@ -113,9 +118,9 @@ def test_checkpoint_report_from_the_command_line(tmp_path):
     save_file({"model.diffusion_model." + k: v.contiguous() for k, v in unet.state_dict().items()}, str(path))
     out = subprocess.run([sys.executable, "-m", "tome_core.bench", "--checkpoint", str(path), "--sizes", "256",
                           "--ratios", "0.3", "0.6", "--repeats", "1", "--quiet"],
-                         capture_output=True, text=True, check=True, cwd=bench.__file__.rsplit("/tome_core", 1)[0])
-    lines = [line for line in out.stdout.splitlines() if line.startswith("| 0.")]
-    assert len(lines) == 2
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| 0.") and not line.startswith("| 0.00")]
+    assert [line.split("|")[1].strip() for line in lines] == ["0.30", "0.60"]
     errors = [[float(v) for v in line.strip("|").split("|")[3:]] for line in lines]
     assert all(e > 0 for row in errors for e in row)
     assert sum(errors[1]) > sum(errors[0])  # merging more moves the prediction further
@@ -127,11 +132,14 @@ def test_checkpoint_without_unet_is_refused(tmp_path):
 
 
 def test_gpu_check_script_runs_small_on_cpu(capsys):
-    from tome_core import gpucheck
+    from tome_core.bench import gpucheck
 
-    assert gpucheck.main(["--device", "cpu", "--width", "0.1", "--scale", "0.125", "--repeats", "1"]) == 0
+    assert gpucheck.main(["--device", "cpu", "--width", "0.1", "--scale", "0.125", "--repeats", "2",
+                          "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert out.count("| sd15   |") == 3 and out.count("| sdxl   |") == 1
+    assert [line.split("|")[1:3] for line in out.splitlines() if line.startswith(("| sd15 |", "| sdxl |"))] == \
+        [[" sd15 ", " 64 "], [" sd15 ", " 128 "], [" sd15 ", " 256 "], [" sdxl ", " 128 "]]
+    assert "ideal ms" in out and "ours share" in out
     assert "merge plans (partition, matching, slot maps) identical" in out
     assert "bitwise equal" in out or "equal up to half-precision rounding" in out
 
@@ -139,7 +147,7 @@ def test_gpu_check_script_runs_small_on_cpu(capsys):
 def test_gpu_check_counts_syncs_the_patch_adds(monkeypatch):
     # CUDA's sync debug mode reports each synchronizing call as a warning. Stand in for it on the CPU: one
     # simulated sync in the U-Net's own code, then also one in every merge, to run the GPU-only path.
-    from tome_core import gpucheck
+    from tome_core.bench import gpucheck
     from tome_core.merge import MergePlan
 
     mode = {"now": 0}

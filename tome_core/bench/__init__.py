@@ -1,0 +1,16 @@
+"""Measuring what token merging gains on this machine: ``python -m tome_core.bench --help`` and
+``python -m tome_core.gpucheck``.
+
+A tool for users of the engine, kept apart from it: it builds the webui's ldm U-Nets and imports ``ldm`` (and,
+when installed, ``tomesd``, ``tqdm``, ``matplotlib``, ``safetensors``) while it runs; importing this package
+imports none of them, and the engine (the rest of ``tome_core``) never imports this package.
+
+Modules, by concern (each imports only those listed before it):
+    archs       the webui's U-Net architectures with SDP attention, random weights, any width scale
+    checkpoint  a real checkpoint's U-Net, read off its tensors
+    contenders  what is raced: no ToMe, ours, tomesd, and the ideal (attention on fewer tokens, chosen free)
+    timing      interleaved rounds, medians and spreads, the merge overhead, peak memory
+    report      markdown tables, shares of the ideal's gain, the busy-machine warning, the chart
+    cli         arguments and their validation, the main job (``python -m tome_core.bench``)
+    gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
+"""

@@ -1,0 +1,155 @@
+"""What the benchmark races, each as a way to patch a model and undo it.
+
+- ``none``: the model as it is.
+- ``ours``: ``tome_core.apply_patch``.
+- ``tomesd``: tomesd 0.1.3 with the same options (when installed).
+- ``ideal``: the blocks ours patches run self-attention on the N − r tokens it would keep, but chosen for
+  free: the first N − r, no similarity, no matching, no merge; the output goes back to N tokens by a repeat.
+  No merging method can be faster, so (speed-up − 1) / (ideal − 1) is the share of what merging can give
+  that a method delivers; the rest is its overhead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+import tome_core
+from tome_core.patch import transformer_levels
+
+NAMES = ("none", "ours", "tomesd", "ideal")
+
+
+@dataclass(frozen=True)
+class Contender:
+    """``apply(model)`` patches the model (a U-Net or any module tree holding SpatialTransformers, wrapped as
+    ``model.model.diffusion_model``), ``remove(model)`` restores it exactly."""
+
+    name: str
+    apply: Callable[[nn.Module], None]
+    remove: Callable[[nn.Module], None]
+
+
+class Wrapped(nn.Module):
+    """The ``model.model.diffusion_model`` nesting tomesd insists on, around a U-Net or a lone transformer."""
+
+    def __init__(self, unet: nn.Module) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.diffusion_model = unet
+
+
+def tomesd_available() -> bool:
+    try:
+        import tomesd  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+class IdealPatch:
+    """Self-attention on the first N − r tokens of each block ours patches, its output repeated back to N.
+
+    r is what ours removes: int(N · ratio), capped at the sources of the sy×sx stride grid (N minus one
+    destination per whole cell). Grids smaller than one cell are left alone, as ours leaves them.
+    """
+
+    def __init__(self, ratio: float, max_downsample: int | None, sx: int = 2, sy: int = 2) -> None:
+        self.ratio, self.max_downsample, self.sx, self.sy = ratio, max_downsample, sx, sy
+        self._handles: list = []
+
+    def apply(self, model: nn.Module) -> None:
+        root = tome_core.resolve_unet(model)
+        # The same blocks as ours, by asking ours which it patches.
+        tome_core.apply_patch(root, ratio=self.ratio, max_downsample=self.max_downsample, sx=self.sx, sy=self.sy)
+        blocks = {id(rec.module) for rec in tome_core.get_patch(root).selected}
+        tome_core.remove_patch(root)
+        self.remove(model)
+        for _, transformer, _ in transformer_levels(root):
+            selected = [blk for blk in transformer.transformer_blocks if id(blk) in blocks]
+            if not selected:
+                continue
+            grid: dict[str, tuple[int, int]] = {}
+            self._handles.append(transformer.register_forward_pre_hook(_grid_recorder(grid), with_kwargs=True))
+            for blk in selected:
+                kept: dict[str, int] = {}
+                self._handles.append(blk.attn1.register_forward_pre_hook(self._shrinker(grid, kept),
+                                                                         with_kwargs=True))
+                self._handles.append(blk.attn1.register_forward_hook(_repeater(kept)))
+
+    def remove(self, model: nn.Module | None = None) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def kept_tokens(self, h: int, w: int) -> int:
+        """N − r for an h×w grid (N when nothing would merge)."""
+        n = h * w
+        cells = (h // self.sy) * (w // self.sx)
+        r = min(int(n * self.ratio), n - cells)
+        return n if cells == 0 or r <= 0 else n - r
+
+    def _shrinker(self, grid: dict, kept: dict):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["x"]
+            context = args[1] if len(args) > 1 else kwargs.get("context")
+            kept.clear()
+            if context is not None or "hw" not in grid:  # attn1 as cross-attention (disable_self_attn)
+                return None
+            h, w = grid["hw"]
+            n = x.shape[1]
+            m = self.kept_tokens(h, w)
+            if n != h * w or m == n:
+                return None
+            kept["n"] = n
+            x = x[:, :m]
+            return ((x,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, x=x))
+        return hook
+
+
+def _grid_recorder(grid: dict):
+    def hook(module, args, kwargs):
+        x = args[0] if args else kwargs["x"]
+        grid["hw"] = (int(x.shape[-2]), int(x.shape[-1]))
+    return hook
+
+
+def _repeater(kept: dict):
+    def hook(module, args, output: torch.Tensor):
+        n = kept.get("n")
+        if n is None:
+            return None
+        # (B, M, C) -> (B, N, C): a plain copy, the cheapest way back to N tokens.
+        return output.repeat(1, math.ceil(n / output.shape[1]), 1)[:, :n]
+    return hook
+
+
+def contenders(ratio: float, use_rand: bool, max_downsample: int | None, tomesd_max_downsample: int, *,
+               with_tomesd: bool = True, with_ideal: bool = True,
+               tomesd_setup: Callable[[nn.Module], None] | None = None) -> list[Contender]:
+    """none, ours, tomesd (when installed and wanted) and the ideal, with the same options.
+
+    ``tomesd_setup(model)`` runs after tomesd's patch (a lone transformer must be told its grid, which tomesd
+    otherwise learns from a U-Net pre-hook).
+    """
+    out = [Contender("none", lambda m: None, lambda m: None),
+           Contender("ours", lambda m: tome_core.apply_patch(m, ratio=ratio, max_downsample=max_downsample,
+                                                             use_rand=use_rand),
+                     tome_core.remove_patch)]
+    if with_tomesd and tomesd_available():
+        import tomesd
+
+        def apply_tomesd(m: nn.Module) -> None:
+            tomesd.apply_patch(m, ratio=ratio, max_downsample=tomesd_max_downsample, use_rand=use_rand)
+            if tomesd_setup is not None:
+                tomesd_setup(m)
+
+        out.append(Contender("tomesd", apply_tomesd, tomesd.remove_patch))
+    if with_ideal:
+        ideal = IdealPatch(ratio, max_downsample)
+        out.append(Contender("ideal", ideal.apply, ideal.remove))
+    return out

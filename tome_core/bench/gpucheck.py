@@ -1,0 +1,185 @@
+"""One-call GPU check: ``python -m tome_core.gpucheck`` (3 to 4 minutes on a datacenter GPU).
+
+fp16 with SDP attention: SD 1.5 at 512, 1024 and 2048 px and SDXL at 1024 px, whole U-Net step, no ToMe, ours,
+tomesd (when installed) and the ideal in interleaved rounds at ratio 0.5, with each one's defaults except that
+tomesd is given the SDXL level ours picks; then the int32 index path against the int64 path on the same
+device, and a check that a patched U-Net call makes no host-device sync. Prints markdown. Each case gets an
+equal share of ``--budget`` seconds of timing: it runs at least 3 rounds, and no new round once its share is
+spent, so the whole check stays bounded.
+
+``--device cpu --width 0.1 --scale 0.125`` runs the same script small (still fp16), to check it works without a
+GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+
+import torch
+
+import tome_core
+
+from . import archs
+from .cli import OneLineParser, Setup, UsageError, _race, dtype_name, hardware, pick_device, top_grid
+from .contenders import Wrapped, contenders, tomesd_available
+from .report import Row, find_busy, row_timings, speed_table_head, speed_table_line
+from .timing import progress_bar
+
+PROG = "python -m tome_core.gpucheck"
+CASES = (("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024))
+RATIO = 0.5
+
+
+def same_plans(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the int32 and int64 paths build exactly the same merge plan for one random 64×64 grid."""
+    from tome_core.partition import cell_choices, host_key, partition, timestep_words
+
+    x = torch.randn(2, 64 * 64, 320, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    choice = cell_choices(host_key(1, 0), timestep_words(torch.tensor([749.25]), device), 32 * 32, 4)
+    plans = {}
+    for idt in (torch.int64, torch.int32):
+        src, dst = partition(64, 64, 2, 2, choice, idt)
+        plans[idt] = tome_core.plan_merge(x, src, dst, 2048)
+    a, b = plans[torch.int64], plans[torch.int32]
+    return torch.equal(a.slot_index, b.slot_index.long()) and torch.equal(a.counts, b.counts)
+
+
+def count_syncs(unet, x, t, ctx) -> int:
+    """Host-device syncs in one U-Net call (after a warm-up), counted through CUDA's sync debug mode.
+
+    Counted rather than raised on: ldm itself syncs (its timestep embedding copies a host tensor to the
+    device), and the first sync would hide any later one.
+    """
+    with torch.no_grad():
+        unet(x, t, context=ctx)  # warm-up: grid layouts are built and cached on first use
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                unet(x, t, context=ctx)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def sync_check(unet, x, t, ctx) -> str:
+    """Syncs of one unpatched and one patched U-Net call: the patch should add none."""
+    unpatched = count_syncs(unet, x, t, ctx)
+    tome_core.apply_patch(unet, ratio=0.5, seed=1)
+    try:
+        patched = count_syncs(unet, x, t, ctx)
+    finally:
+        tome_core.remove_patch(unet)
+    added = patched - unpatched
+    return f"{unpatched} unpatched (ldm's own), {patched} patched: {'none' if added == 0 else added} added by the patch"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="default cuda; cpu runs the check small, for testing")
+    ap.add_argument("--width", type=float, default=1.0, help="scale every channel count (for small runs)")
+    ap.add_argument("--repeats", type=int, default=9, help="most interleaved rounds per case (default 9)")
+    ap.add_argument("--budget", type=float, default=120.0,
+                    help="seconds of timing for all cases together, shared equally (default 120); each case "
+                         "still runs at least 3 rounds")
+    ap.add_argument("--scale", type=float, default=1.0, help="scale every image size (for small runs)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The cases at ``--scale``; ``UsageError`` for the first bad argument."""
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: at least 1 round is needed")
+    if not args.budget > 0:
+        raise UsageError(f"--budget {args.budget:g}: must be a positive number of seconds")
+    if not args.width > 0:
+        raise UsageError(f"--width {args.width:g}: a channel scale must be a positive number")
+    if not args.scale > 0:
+        raise UsageError(f"--scale {args.scale:g}: must be a positive number")
+    cases = [(arch, int(size * args.scale) // 8 * 8) for arch, size in CASES]
+    for arch, size in cases:
+        if top_grid(size, archs.top_attention_level(arch)) < 2:
+            raise UsageError(f"--scale {args.scale:g}: {arch} at {size} px is too small for one 2×2 stride cell")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        why = "has no CUDA support" if torch.version.cuda is None else "finds no usable CUDA device"
+        raise UsageError(f"the GPU check needs CUDA, and this torch {torch.__version__} {why} (--device cpu "
+                         f"--width 0.1 --scale 0.125 runs it small on the CPU, for testing)")
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+    try:
+        cases = check_args(args)
+        device = pick_device(args.device)
+    except UsageError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    dtype = torch.float16  # also on the CPU, so the small run there takes the same half-precision path
+    archs.use_webui_unet()
+    t0 = time.time()
+    names = ["none", "ours"] + (["tomesd"] if tomesd_available() else []) + ["ideal"]
+    print(f"# GPU check: {hardware(device)}, {dtype_name(dtype)}, SDP attention, batch 2, width {args.width:g}, "
+          f"ratio {RATIO}, contenders: {', '.join(names)}\n")
+    setup = Setup(device, dtype, progress_bar(len(cases) * len(names) * (args.repeats + 1), not args.quiet))
+    print(speed_table_head("Whole U-Net step", f"3 to {args.repeats}" if args.repeats > 3 else str(args.repeats)))
+    rows = []
+    budget = args.budget / len(cases)
+    for arch in dict.fromkeys(arch for arch, _ in cases):
+        unet, ctx_dim = archs.build_unet(arch, device, dtype, args.width)
+        wrapped = Wrapped(unet)
+        depth = archs.unet_depth(unet)
+        for size in [s for a, s in cases if a == arch]:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(2, 4, size // 8, size // 8, generator=gen).to(device, dtype)
+            ctx = [torch.randn(2, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
+            t = torch.full((2,), 500.0, device=device)
+            racers = contenders(RATIO, True, None, 2 ** archs.top_attention_level(arch))
+            setup.progress.set_postfix_str(f"{arch} {size} px")
+            ms = _race(wrapped, lambda: unet(x, t, context=ctx), racers, setup, args.repeats, budget)
+            rows.append(Row(arch, size, RATIO, ms))
+            print(speed_table_line(rows[-1]), flush=True)
+        del unet, wrapped
+    setup.progress.close()
+    busy = find_busy(row_timings(rows, "U-Net"))
+    if busy:
+        print("\n" + busy.line(f"more rounds and a longer budget (--repeats {2 * args.repeats} --budget "
+                               f"{2 * args.budget:g}), or a GPU no other process is using"))
+
+    unet, ctx_dim = archs.build_unet("sd15", device, dtype, args.width)
+    gen = torch.Generator().manual_seed(0)
+    lat = int(1024 * args.scale) // 8
+    x = torch.randn(2, 4, lat, lat, generator=gen).to(device, dtype)
+    ctx = [torch.randn(2, 77, ctx_dim, generator=gen).to(device, dtype)]
+    t = torch.full((2,), 749.25, device=device)
+    outs = {}
+    with torch.no_grad():
+        for idt in (torch.int64, torch.int32):
+            tome_core.apply_patch(unet, ratio=0.5, seed=1, index_dtype=idt)
+            outs[idt] = unet(x, t, context=ctx).float()
+            tome_core.remove_patch(unet)
+    diff = (outs[torch.int64] - outs[torch.int32]).abs().max().item()
+    relative = diff / outs[torch.int64].abs().max().clamp_min(1e-12).item()
+    if diff == 0:
+        verdict = "bitwise equal"
+    elif relative < 1e-2:
+        verdict = ("equal up to half-precision rounding: index_add_ rounds differently with int32 and int64 "
+                   "indices on this device")
+    else:
+        verdict = "DIFFERENT beyond rounding"
+    plans_equal = same_plans(device, dtype)
+    print(f"\nint32 vs int64 index path: merge plans (partition, matching, slot maps) "
+          f"{'identical' if plans_equal else 'DIFFERENT'}; SD 1.5 U-Net output at {lat * 8} px: max |difference| "
+          f"= {diff:.3g}, {relative:.2g} of the largest output ({verdict})")
+    if device.type == "cuda":
+        print(f"\nhost-device syncs in one U-Net call: {sync_check(unet, x, t, ctx)}")
+    print(f"\n_total {time.time() - t0:.0f} s_")
+    return 0
