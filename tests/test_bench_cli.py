@@ -1,0 +1,133 @@
+"""The benchmark's command lines: every bad input is one line and exit status 2 before anything is timed; the
+module entry points work; the measurement package stays apart from the engine."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tome_core.bench import archs, cli, gpucheck
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True)
+def webui_unet_for_this_test_only(monkeypatch):
+    from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules import openaimodel
+
+    monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
+    monkeypatch.setattr(openaimodel, "th", openaimodel.th)
+
+
+@pytest.fixture
+def nothing_is_timed(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("timing started")
+
+    monkeypatch.setattr(cli, "model_timer", refuse)
+    monkeypatch.setattr(cli, "merge_overhead", refuse)
+    monkeypatch.setattr(archs, "build_unet", refuse)
+
+
+def _refused(capsys, main, argv, expected):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "error: " in err and expected in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--ratios", "1.0"], "--ratios 1: a merge ratio must lie in [0, 1)"),
+    (["--ratios", "0.5", "-0.1"], "--ratios -0.1: a merge ratio must lie in [0, 1)"),
+    (["--ratios", "nan"], "--ratios nan: a merge ratio must lie in [0, 1)"),
+    (["--repeats", "0"], "--repeats 0: at least 1 round is needed"),
+    (["--sizes", "512", "100"], "--sizes 100: image sizes must be positive multiples of 8 px"),
+    (["--sizes", "0"], "--sizes 0: image sizes must be positive multiples of 8 px"),
+    (["--sizes", "-512"], "--sizes -512: image sizes must be positive multiples of 8 px"),
+    (["--sizes", "8"], "--sizes 8: too small for sd15: its highest-resolution attention sees a 1×1 token grid"),
+    (["--models", "sdxl", "--sizes", "16"], "too small for sdxl"),
+    (["--models", "sdxl", "--max-downsample", "1"], "--max-downsample 1 selects no attention level of sdxl"),
+    (["--width", "0"], "--width 0: a channel scale must be a positive number"),
+    (["--sizes", "16", "--batch", "1", "--width", "0.1"], "--sizes 16 with --batch 1 at --width 0.1"),
+    (["--batch", "0"], "--batch 0: at least 1 is needed"),
+    (["--threads", "0"], "--threads 0: at least 1 is needed"),
+    (["--memory-size", "100"], "--memory-size 100"),
+    (["--device", "tpu9"], "--device tpu9: not a device name torch knows"),
+    (["--models", "sd3"], "argument --models: invalid choice: 'sd3'"),
+    (["--repeats", "three"], "argument --repeats: invalid int value: 'three'"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(capsys, nothing_is_timed, argv, expected):
+    _refused(capsys, cli.main, argv, expected)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="CUDA is available here")
+def test_cuda_without_cuda_is_refused(capsys, nothing_is_timed):
+    _refused(capsys, cli.main, ["--device", "cuda"], "--device cuda: this torch")
+    _refused(capsys, gpucheck.main, [], "the GPU check needs CUDA")
+
+
+def test_gpucheck_arguments_are_checked(capsys, nothing_is_timed):
+    _refused(capsys, gpucheck.main, ["--device", "cpu", "--repeats", "0"], "--repeats 0: at least 1 round")
+    _refused(capsys, gpucheck.main, ["--device", "cpu", "--budget", "0"], "--budget 0")
+    _refused(capsys, gpucheck.main, ["--device", "cpu", "--scale", "0.01"], "too small for one 2×2 stride cell")
+
+
+def test_missing_and_unusable_checkpoints_are_refused(capsys, tmp_path, nothing_is_timed):
+    from safetensors.torch import save_file
+
+    _refused(capsys, cli.main, ["--checkpoint", str(tmp_path / "none.safetensors")], "no such file")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("not a checkpoint")
+    _refused(capsys, cli.main, ["--checkpoint", str(junk)], "not a readable .safetensors or .ckpt file")
+    pickle = tmp_path / "junk.ckpt"
+    pickle.write_bytes(b"\x00\x01 not a pickle")
+    _refused(capsys, cli.main, ["--checkpoint", str(pickle)], "not a readable .safetensors or .ckpt file")
+    vae = tmp_path / "vae.safetensors"
+    save_file({"first_stage_model.decoder.conv_in.weight": torch.zeros(3)}, str(vae))
+    _refused(capsys, cli.main, ["--checkpoint", str(vae)], "no U-Net in this checkpoint")
+    broken = tmp_path / "broken.safetensors"
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(32, 4, 3, 3)}, str(broken))
+    _refused(capsys, cli.main, ["--checkpoint", str(broken)], "not an SD 1.x/2.x/SDXL U-Net")
+
+
+def test_a_ratio_above_the_cap_runs_and_shows_the_ratio_used(capsys):
+    assert cli.main(["--ratios", "0.9", "--sizes", "64", "--width", "0.1", "--repeats", "1", "--quiet",
+                     "--skip", "block", "overhead", "memory", "--no-tomesd"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio 0.9 is above the 2×2 stride's cap" in out and "0.75 is used" in out
+    assert "| sd15 | 64 | 0.75 |" in out
+
+
+def test_command_line_errors_have_no_traceback():
+    # Through the real entry points: what a user types.
+    for module, args in (("tome_core.bench", ["--ratios", "1.5"]), ("tome_core.bench", ["--sizes", "500"])):
+        done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("module", ["tome_core.bench", "tome_core.gpucheck"])
+def test_entry_points_answer_help(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and "--repeats" in done.stdout
+
+
+@pytest.mark.parametrize("module", ["archs", "checkpoint", "contenders", "timing", "probes", "report", "cli",
+                                    "gpucheck"])
+def test_each_bench_module_imports_alone_without_ldm(module):
+    # A fresh interpreter per module: an import cycle shows only when a module of the cycle is imported first.
+    code = (f"import sys, tome_core.bench.{module}; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('ldm', 'tomesd', 'matplotlib')], sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_the_engine_does_not_import_its_measurement_tools():
+    code = "import sys, tome_core; assert not [m for m in sys.modules if m.startswith('tome_core.bench')]"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,0 +1,254 @@
+"""The benchmark's arithmetic and its honesty: interleaved rounds, spreads, the busy-machine warning, shares of the
+ideal's gain, the ideal itself, and U-Nets at any width scale. No test here asserts a speed."""
+
+import math
+
+import pytest
+import torch
+
+import tome_core
+from tome_core.bench import archs, cli
+from tome_core.bench.contenders import IdealPatch, Wrapped, contenders
+from tome_core.bench.report import (BUSY_SPREAD, Row, busy_warning, find_busy, share_of_ideal, speed_table,
+                                    speed_table_line)
+from tome_core.bench.timing import Spread, interleaved_rounds, rotated
+from unets import inputs, run, tiny_unet
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture
+def webui_unet(monkeypatch):
+    """The benchmark's process-wide ldm patches, taken back after the test."""
+    from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules import openaimodel
+
+    monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
+    monkeypatch.setattr(openaimodel, "th", openaimodel.th)
+    archs.use_webui_unet()
+
+
+def spread(*ms):
+    return Spread.of(ms)
+
+
+# -- spreads and rounds ---------------------------------------------------------------------------------------
+
+def test_spread_is_median_and_quartiles():
+    s = spread(13, 10, 100, 12, 11)  # one wild round
+    assert (s.median, s.q1, s.q3, s.low, s.high, s.rounds) == (12, 11, 13, 10, 100, 5)
+    assert s.relative == pytest.approx(2 / 12)
+    assert spread(7).relative == 0 and spread(7).median == 7
+
+
+def test_rounds_rotate_the_calling_order():
+    calls = []
+    samples = interleaved_rounds(["none", "ours", "ideal"], lambda name: calls.append(name) or 1.0, 3, warmup=1)
+    assert calls == ["none", "ours", "ideal",  # warm-up, not counted
+                     "none", "ours", "ideal", "ours", "ideal", "none", "ideal", "none", "ours"]
+    assert samples == {"none": [1.0] * 3, "ours": [1.0] * 3, "ideal": [1.0] * 3}
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+class SimulatedMachine:
+    """A clock and contenders of known cost; calls that start inside the burst take ``slowdown`` times longer."""
+
+    def __init__(self, costs_ms, burst, slowdown):
+        self.costs, self.burst, self.slowdown, self.now = costs_ms, burst, slowdown, 0.0
+
+    def time_one(self, name):
+        ms = self.costs[name] * (self.slowdown if self.burst[0] <= self.now < self.burst[1] else 1)
+        self.now += ms / 1000
+        return ms
+
+    def clock(self):
+        return self.now
+
+
+def test_a_burst_of_load_does_not_bias_interleaved_medians():
+    # True costs: none 100 ms, ours 80 ms (1.25x). A burst that triples every call lasts the first second:
+    # timed one contender after the other, it lands on "none" alone and fakes a speed-up of 3.75x.
+    costs = {"none": 100.0, "ours": 80.0, "ideal": 60.0}
+    machine = SimulatedMachine(costs, burst=(0.0, 1.0), slowdown=3)
+    samples = interleaved_rounds(list(costs), machine.time_one, 7, warmup=0, clock=machine.clock)
+    ms = {name: Spread.of(v) for name, v in samples.items()}
+    assert {name: s.median for name, s in ms.items()} == costs
+    assert ms["none"].median / ms["ours"].median == 1.25
+
+    sequential = SimulatedMachine(costs, burst=(0.0, 1.0), slowdown=3)
+    one_stretch = {name: Spread.of([sequential.time_one(name) for _ in range(7)]) for name in costs}
+    assert one_stretch["none"].median / one_stretch["ours"].median == 3.75
+
+
+def test_a_budget_stops_new_rounds_after_the_minimum():
+    machine = SimulatedMachine({"none": 1000.0, "ours": 1000.0}, burst=(0, 0), slowdown=1)
+    samples = interleaved_rounds(["none", "ours"], machine.time_one, 9, warmup=1, min_rounds=3, budget_s=0.5,
+                                 clock=machine.clock)
+    assert samples == {"none": [1000.0] * 3, "ours": [1000.0] * 3}
+    samples = interleaved_rounds(["none", "ours"], machine.time_one, 9, budget_s=1e6, clock=machine.clock)
+    assert len(samples["none"]) == 9
+
+
+# -- the busy-machine warning ---------------------------------------------------------------------------------
+
+def test_busy_warning_triggers_only_above_ten_percent():
+    assert BUSY_SPREAD == 0.10
+    quiet = [("U-Net sd15 512 px none", spread(100, 102, 104, 101, 103)),
+             ("U-Net sd15 512 px ours", spread(80, 81, 82, 83, 84))]
+    assert busy_warning(quiet, "more rounds") is None
+    # Quartiles 100 and 112 around a median of 104: 11.5% of it.
+    busy = quiet + [("U-Net sd15 512 px tomesd", spread(95, 100, 104, 112, 130))]
+    line = busy_warning(busy, "more rounds (--repeats 6)")
+    assert line is not None and "\n" not in line
+    assert line.startswith("WARNING: the machine was busy: 1 of 3 timings")
+    assert "U-Net sd15 512 px tomesd, 12%" in line and line.endswith("For steadier figures: more rounds (--repeats 6).")
+    assert find_busy(busy).over == 1
+
+
+@pytest.mark.parametrize("noisy, warned", [(False, False), (True, True)])
+def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_unet, noisy, warned):
+    # Inject the timings: every contender steady, or "ours" with one slow call in every other round.
+    def fake_timer(model, call, racers, device):
+        counts = {}
+
+        def time_one(name):
+            counts[name] = counts.get(name, 0) + 1
+            base = {"none": 100.0, "ours": 80.0, "tomesd": 85.0, "ideal": 60.0}[name]
+            return base * (1.5 if noisy and name == "ours" and counts[name] % 2 else 1.0)
+        return time_one
+
+    monkeypatch.setattr(cli, "model_timer", fake_timer)
+    assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "5", "--quiet", "--skip", "block",
+                     "overhead", "memory"]) == 0
+    out = capsys.readouterr().out
+    assert ("WARNING: the machine was busy" in out) == warned
+    if not warned:
+        assert "| sd15 | 64 | 0.50 | 100.0 (0%) | 80.0 (0%) |" in out
+        assert "| 1.25x | 1.18x | 1.67x | 37% | 26% |" in out
+
+
+def test_a_single_round_says_it_cannot_judge(monkeypatch, capsys, webui_unet):
+    monkeypatch.setattr(cli, "model_timer", lambda *a: (lambda name: 10.0))
+    assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "1", "--quiet", "--skip", "block",
+                     "overhead", "memory"]) == 0
+    assert "NOTE: 1 round(s) per U-Net case measure no spread" in capsys.readouterr().out
+
+
+# -- shares of the ideal's gain -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("speedup, ideal, share", [
+    (1.5, 2.0, 0.5), (2.0, 2.0, 1.0), (1.0, 1.5, 0.0), (0.9, 1.2, -0.5), (1.11, 1.37, 0.11 / 0.37),
+    (1.2, 1.0, None), (1.1, 0.95, None)])
+def test_share_of_the_ideal_gain(speedup, ideal, share):
+    got = share_of_ideal(speedup, ideal)
+    assert got == share if share is None else got == pytest.approx(share)
+
+
+def test_table_line_shows_medians_spreads_speedups_and_shares():
+    row = Row("sd15", 512, 0.5, {"none": spread(300, 300, 300), "ours": spread(200, 200, 200),
+                                 "tomesd": spread(240, 240, 240), "ideal": spread(150, 150, 150)})
+    # speed-ups 1.5, 1.25, 2.0; shares 0.5 / 1.0 and 0.25 / 1.0.
+    assert speed_table_line(row) == ("| sd15 | 512 | 0.50 | 300.0 (0%) | 200.0 (0%) | 240.0 (0%) | 150.0 (0%) "
+                                     "| 1.50x | 1.25x | 2.00x | 50% | 25% |")
+    no_tomesd = Row("sd15", 512, 0.5, {k: v for k, v in row.ms.items() if k != "tomesd"})
+    assert speed_table_line(no_tomesd).endswith("| 200.0 (0%) | – | 150.0 (0%) | 1.50x | – | 2.00x | 50% | – |")
+    assert "over 3 interleaved rounds" in speed_table([row], "Whole U-Net step")
+
+
+def test_no_share_of_an_ideal_gain_lost_in_noise():
+    # The ideal is 1.10x by its medians, but none's and the ideal's quartiles overlap: no share is shown.
+    row = Row("sd15", 512, 0.5, {"none": spread(80, 110, 140), "ours": spread(100, 100, 100),
+                                 "ideal": spread(70, 100, 130)})
+    assert row.speedup("ideal") == pytest.approx(1.1)
+    assert row.share("ours") is None
+    # A gain under 5% is not shared out either, however steady.
+    tiny = Row("sd15", 512, 0.5, {"none": spread(103, 103, 103), "ours": spread(101, 101, 101),
+                                  "ideal": spread(100, 100, 100)})
+    assert tiny.share("ours") is None
+
+
+# -- the ideal ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("h, w, ratio, kept", [
+    (64, 64, 0.5, 2048), (64, 64, 0.9, 1024), (5, 5, 0.5, 13), (1, 9, 0.5, 9), (8, 8, 0.0, 64)])
+def test_ideal_keeps_what_ours_keeps(h, w, ratio, kept):
+    # int(N·ratio) removed, capped at N minus one destination per whole 2×2 cell; nothing below one cell.
+    assert IdealPatch(ratio, None).kept_tokens(h, w) == kept
+
+
+def _self_attention_tokens(unet, x, t, c):
+    seen = []
+    handles = [m.attn1.register_forward_pre_hook(lambda mod, a, k: seen.append((a[0] if a else k["x"]).shape[1]),
+                                                 with_kwargs=True)
+               for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    out = run(unet, x, t, c)
+    for handle in handles:
+        handle.remove()
+    return seen, out
+
+
+@pytest.mark.parametrize("layout", ["sd1", "sdxl"])
+def test_ideal_shrinks_self_attention_in_the_blocks_ours_patches_and_undoes_itself(layout):
+    unet = tiny_unet(layout)
+    x, t, c = inputs(h=32, w=32)
+    plain_tokens, plain = _self_attention_tokens(unet, x, t, c)
+    tome_core.apply_patch(unet, ratio=0.5)
+    patched = {id(rec.module) for rec in tome_core.get_patch(unet).selected}
+    tome_core.remove_patch(unet)
+    blocks = [m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    expected = [n // 2 if id(b) in patched else n for b, n in zip(blocks, plain_tokens)]
+
+    ideal = IdealPatch(0.5, None)
+    ideal.apply(Wrapped(unet))
+    seen, out = _self_attention_tokens(unet, x, t, c)
+    assert len(patched) > 0 and seen == expected
+    assert out.shape == plain.shape and not torch.equal(out, plain)
+    ideal.remove()
+    assert torch.equal(run(unet, x, t, c), plain)
+
+
+def test_contenders_are_none_ours_tomesd_ideal_with_the_same_ratio():
+    names = [c.name for c in contenders(0.5, True, None, 1)]
+    assert names == ["none", "ours", "tomesd", "ideal"]
+    assert [c.name for c in contenders(0.5, True, None, 1, with_tomesd=False, with_ideal=False)] == ["none", "ours"]
+
+
+# -- any width scale, every model -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", sorted(archs.ARCHS))
+def test_head_width_divides_every_attention_level_at_any_width_scale(arch):
+    cfg = archs.ARCHS[arch]
+    for width in [w / 100 for w in range(1, 201)]:
+        channels = archs.scaled_channels(cfg["model_channels"], width)
+        assert channels % 32 == 0 and channels >= 32
+        if "num_head_channels" in cfg:
+            head = archs.head_channels(channels, cfg["num_head_channels"])
+            assert all(channels * mult % head == 0 for mult in cfg["channel_mult"])
+            assert head == (64 if channels % 64 == 0 else 32)
+        else:
+            assert channels % cfg["num_heads"] == 0
+
+
+@pytest.mark.parametrize("arch, width", [("sd2", 0.5), ("sd2", 0.3), ("sd15", 0.3)])
+def test_scaled_u_nets_run(webui_unet, arch, width):
+    # sd2 at width 0.5 has 160 channels: 64-channel heads made 2 heads (128 channels) and the first call failed
+    # with "mat1 and mat2 shapes cannot be multiplied (…x128 and 160x128)".
+    unet, ctx_dim = archs.build_unet(arch, torch.device("cpu"), torch.float32, width)
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        out = unet(x, torch.full((2,), 500.0), context=[torch.randn(2, 77, ctx_dim)] * archs.unet_depth(unet))
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("latent", [2, 3, 9, 13])
+def test_any_multiple_of_8_px_runs_as_in_the_webui(webui_unet, latent):
+    # 3 downsamplings need latents divisible by 8 in plain ldm; the webui's resizing cat lifts that.
+    unet, ctx_dim = archs.build_unet("sd15", torch.device("cpu"), torch.float32, 0.1)
+    x = torch.randn(2, 4, latent, latent)
+    with torch.no_grad():
+        assert unet(x, torch.full((2,), 500.0), context=[torch.randn(2, 77, ctx_dim)]).shape == x.shape
+
+
+def test_top_grid_rounds_up_as_strided_convolutions_do():
+    assert [cli.top_grid(px, 1) for px in (16, 24, 72, 1024)] == [1, 2, 5, 64]
+    assert cli.top_grid(520, 0) == 65 and math.ceil(65 / 2) == cli.top_grid(520, 1)
