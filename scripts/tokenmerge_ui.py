@@ -17,11 +17,13 @@ from functools import partial
 from typing import Any
 
 import gradio as gr
+from torch import nn
 
-from modules import script_callbacks, scripts, sd_unet, shared
+from modules import script_callbacks, scripts, shared
 from modules.ui_components import InputAccordion
 
 import tome_core
+from scripts.tokenmerge_hosts import host_of
 from tome_core import settings as tm
 
 LOG_PREFIX = "[ToMe]"
@@ -30,34 +32,29 @@ BUILTIN_RATIO_SETTINGS = ("token_merging_ratio", "token_merging_ratio_hr", "toke
 ADVANCED_ROWS = (("method", "max_downsample"), ("sx", "sy"), ("use_rand", "merge_crossattn", "merge_mlp"),
                  ("todo_factor", "todo_pool"), ("step_start", "step_end"))
 # Our own entries in p.extra_generation_params (also the ones an earlier XYZ cell may have left there).
-OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS)
+OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS) | {tm.REFINER_INFOTEXT}
+# On the processing object: the sampling pass under way, when ToMe applies to it.
+PASS_ATTRIBUTE = "tokenmerge_pass"
 
-# Every model this module patched and has not yet restored. A set rather than "shared.sd_model" because the
-# current model can change during a job (refiner, checkpoint override) and a failed job leaves its patch on.
-_patched_models: weakref.WeakSet = weakref.WeakSet()
+# Every U-Net this module patched and has not yet restored, with the engine options it was patched with.
+# Not just the current model's: the model can change during a job (refiner, hires checkpoint), and a job that
+# fails during sampling leaves its patch on.
+_patched_unets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def remove_all_patches() -> None:
-    """Restore every model this module patched."""
-    for model in list(_patched_models):
-        tome_core.remove_patch(model)
-        _patched_models.discard(model)
+    """Restore every U-Net this module patched."""
+    for unet in list(_patched_unets.keys()):
+        tome_core.remove_patch(unet)
+        _patched_unets.pop(unet, None)
 
 
-def unsupported_reason(model: Any) -> str | None:
-    """Why ToMe cannot patch ``model`` in this webui, or None when it can."""
-    if model is None:
-        return "no model is loaded"
-    if getattr(model, "is_sd3", False):
-        return "SD3 has no U-Net (it is an MMDiT)"
-    if getattr(sd_unet, "current_unet", None) is not None:
-        return "an alternative U-Net (SD Unet setting, e.g. TensorRT) runs instead of the model's own blocks"
-    unet = getattr(getattr(model, "model", None), "diffusion_model", None)
-    if unet is None:
-        return f"{type(model).__name__} has no U-Net at model.diffusion_model"
-    if type(unet).__module__.partition(".")[0] not in ("ldm", "sgm"):
-        return f"the model's U-Net ({type(unet).__module__}.{type(unet).__name__}) is not an ldm/sgm U-Net"
-    return None
+def current_unet() -> tuple[nn.Module | None, str | None]:
+    """The U-Net the current model samples with and None, or None and why ToMe cannot patch it."""
+    model = shared.sd_model
+    host = host_of(model)
+    reason = host.unsupported_reason(model)
+    return (None, reason) if reason else (host.unet(model), None)
 
 
 def batch_seed(p: Any) -> int:
@@ -78,6 +75,46 @@ def note_once(p: Any, message: str) -> None:
     if message not in printed:
         printed.add(message)
         print(f"{LOG_PREFIX} {message}")
+
+
+class SamplingPass:
+    """The ToMe side of one sampling pass: its engine options and the model they were applied to. The webui
+    can switch to another model object during the pass (the refiner, when its config differs from the base
+    model's) without calling any Script hook; ``follow_model`` patches that one too."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.model: Any = None
+        self.engine_refused = False
+
+    def patch_current_model(self) -> str | None:
+        """Patch the current model's U-Net (and restore any other); None, or what to tell the user about why
+        the model runs without ToMe."""
+        self.model = shared.sd_model
+        unet, reason = current_unet()
+        if reason:
+            remove_all_patches()
+            return f"skipped: {reason}"
+        if _patched_unets.get(unet) is self.options:
+            return None
+        remove_all_patches()
+        try:
+            tome_core.apply_patch(unet, **self.options)
+        except Exception as error:  # the engine refuses what it cannot patch: never fail the generation
+            remove_all_patches()
+            self.engine_refused = True
+            return f"not applied: {error}; generating without ToMe"
+        _patched_unets[unet] = self.options
+        return None
+
+    def follow_model(self, p: Any) -> None:
+        """Called before every model evaluation: patch a model switched in since the last one."""
+        if shared.sd_model is self.model:
+            return
+        refusal = self.patch_current_model()
+        if refusal:
+            note_once(p, f"the refiner's steps run without ToMe ({refusal})")
+            p.extra_generation_params = {**p.extra_generation_params, tm.REFINER_INFOTEXT: "unmerged"}
 
 
 class TokenMergeScript(scripts.Script):
@@ -155,7 +192,7 @@ class TokenMergeScript(scripts.Script):
     def process_batch(self, p: Any, *args: Any, **kwargs: Any) -> None:
         settings = self.job_settings(p, args)
         # Runs after the alternative U-Net is chosen and before the first infotext is written.
-        if settings.enabled and (reason := unsupported_reason(shared.sd_model)):
+        if settings.enabled and (reason := current_unet()[1]):
             note_once(p, f"skipped: {reason}")
             settings = tm.DISABLED
         if settings.enabled and settings.hr_only and not getattr(p, "enable_hr", False):
@@ -166,26 +203,21 @@ class TokenMergeScript(scripts.Script):
     def process_before_every_sampling(self, p: Any, *args: Any, **kwargs: Any) -> None:
         settings = self.job_settings(p, args)
         hires = bool(getattr(p, "is_hr_pass", False))
+        setattr(p, PASS_ATTRIBUTE, None)
         if not settings.applies_to_pass(hires):
             remove_all_patches()
             return
-        model = shared.sd_model
-        reason = unsupported_reason(model)
-        if reason:
-            note_once(p, f"skipped: {reason}")
-            remove_all_patches()
+        sampling_pass = SamplingPass(settings.engine_options(hires=hires, seed=batch_seed(p)))
+        refusal = sampling_pass.patch_current_model()
+        if refusal is None:
+            setattr(p, PASS_ATTRIBUTE, sampling_pass)
             return
-        try:
-            if model not in _patched_models:  # another model than the last pass's (refiner, checkpoint switch)
-                remove_all_patches()
-            _patched_models.add(model)
-            tome_core.apply_patch(model, **settings.engine_options(hires=hires, seed=batch_seed(p)))
-        except Exception as error:  # the engine refuses what it cannot patch: never fail the generation
-            remove_all_patches()
-            note_once(p, f"not applied: {error}; generating without ToMe")
+        note_once(p, refusal)
+        if sampling_pass.engine_refused:
             p.extra_generation_params = without_own_infotext(p.extra_generation_params)
 
     def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
+        setattr(p, PASS_ATTRIBUTE, None)
         remove_all_patches()
 
 
@@ -227,16 +259,20 @@ def _ratio_note_update(ratio: Any, hr_ratio: Any, sx: Any, sy: Any) -> dict:
 
 
 def _on_cfg_denoiser(params: Any) -> None:
-    """Feed the step window: progress of this model evaluation within the current sampling pass."""
-    if not _patched_models:
-        return
+    """Before every model evaluation: follow a model switch within the pass (the refiner), and feed the step
+    window the progress of this evaluation within the pass."""
     denoiser = getattr(params, "denoiser", None)
+    sampling_pass = getattr(getattr(denoiser, "p", None), PASS_ATTRIBUTE, None)
+    if sampling_pass is not None:
+        sampling_pass.follow_model(denoiser.p)
+    if not _patched_unets:
+        return
     # params.sampling_step lags by one and repeats for second-order samplers; the denoiser's own evaluation
-    # counter does not, and it restarts for the hires pass.
+    # counter does not; it restarts for the hires pass and keeps counting across a refiner switch.
     progress = tm.evaluation_progress(getattr(denoiser, "step", None), getattr(denoiser, "total_steps", None),
                                       getattr(denoiser, "steps", None))
-    for model in list(_patched_models):
-        tome_core.set_progress(model, progress)
+    for unet in list(_patched_unets.keys()):
+        tome_core.set_progress(unet, progress)
 
 
 _callbacks_registered = False

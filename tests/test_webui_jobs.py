@@ -82,12 +82,12 @@ def test_an_exception_during_sampling_then_a_second_job(fresh, monkeypatch):
                       denoising_strength=0.7)
     fresh.model.observers.remove(fail_in_hires_pass)
     # postprocess was skipped: the patch is still on, as in the webui.
-    assert fresh.calls[-1].options is not None and tome_core.is_patched(fresh.model)
+    assert fresh.calls[-1].options is not None and tome_core.is_patched(fresh.unet)
     # The next job removes it in its first hook, before the webui does anything with the model.
     patched_at_builtin = []
     builtin = processing.apply_token_merging
     monkeypatch.setattr(processing, "apply_token_merging", lambda model, ratio: (
-        patched_at_builtin.append(tome_core.is_patched(model)), builtin(model, ratio)))
+        patched_at_builtin.append(tome_core.is_patched(model.unet)), builtin(model, ratio)))
     fresh.calls.clear()
     fresh.txt2img(fresh.tome_args())
     assert patched_at_builtin[0] is False
@@ -201,11 +201,6 @@ def test_bad_ui_values_run_without_tome_and_say_why_once(fresh, capsys, bad_args
     fresh.assert_pristine()
 
 
-class _NotLdmUnet(torch.nn.Module):
-    def forward(self, x, t, context=None):
-        return x
-
-
 class _AlternativeUnet:
     option = type("Option", (), {"label": "TensorRT"})()
 
@@ -213,19 +208,17 @@ class _AlternativeUnet:
         return torch.zeros_like(x)
 
 
-@pytest.mark.parametrize("case", ["sd3", "alternative unet", "not ldm"])
+@pytest.mark.parametrize("case", ["sd3", "alternative unet", "no u-net"])
 def test_unsupported_models_are_skipped_with_one_line(fresh, capsys, case):
     from modules import sd_unet, shared
-    from webui_double.model import TinySDModel
 
     if case == "sd3":
         fresh.model.is_sd3 = True
     elif case == "alternative unet":
         sd_unet.current_unet = _AlternativeUnet()
     else:
-        other = TinySDModel(unet=_NotLdmUnet())
-        other.observers = [fresh.record]
-        shared.sd_model = other
+        fresh.add_checkpoint("other.safetensors", fresh.new_model(kind="transformer"), config="other")
+        shared.opts.sd_model_checkpoint = "other.safetensors"  # the user's checkpoint choice
     try:
         processed = fresh.txt2img(fresh.tome_args(enabled=True), n_iter=2, enable_hr=True, hr_second_pass_steps=2,
                                   denoising_strength=0.7)

@@ -19,6 +19,10 @@ from .options import MAX_DOWNSAMPLES, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS, c
 RATIO_INFOTEXT = "ToMe ratio"
 """Written whenever ToMe is on; its presence in a pasted infotext is what turns the accordion on."""
 
+REFINER_INFOTEXT = "ToMe refiner"
+"""Written (value "unmerged") when the refiner, switched in during sampling, could not be patched: ToMe
+covered the base model's steps only. A record, not a setting: pasting it back sets nothing."""
+
 OVERRIDES_ATTRIBUTE = "tokenmerge_xyz"
 """Attribute of a host's per-generation object holding ``{key: value}`` overrides for that generation only
 (an XYZ plot cell). Its presence turns ToMe on for that generation."""

@@ -22,6 +22,7 @@ FORGE_DOUBLE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def install_backend() -> None:
-    """Make ``import backend...`` resolve to this double."""
+    """Make ``import backend...`` resolve to this double. Appended to the path, so that ``modules`` stays
+    whichever double ``webui_double.testing`` put first."""
     if FORGE_DOUBLE_DIR not in sys.path:
-        sys.path.insert(0, FORGE_DOUBLE_DIR)
+        sys.path.append(FORGE_DOUBLE_DIR)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -15,15 +16,56 @@ def forge_unet(ldm_unet: nn.Module) -> nn.Module:
     return IntegratedUNet2DConditionModel(ldm_unet).eval()
 
 
-class TinyForgeModel:
-    """``shared.sd_model`` in Forge: an engine with ``forge_objects`` and no ``.model``. ``observers`` are
-    called before every U-Net call, as in the A1111 double's model."""
+class _TinyForgeEngine:
+    """What the double's samplers and tests need of ``shared.sd_model`` on top of Forge's engine: conditioning,
+    the model call through this pass's ``forge_objects.unet`` (with its patches), and ``observers`` called
+    before every U-Net call, as in the A1111 double's model."""
 
-    def __init__(self, unet: nn.Module | None = None, engine: str = "StableDiffusion") -> None:
-        from backend import diffusion_engine
+    sd_checkpoint_info = None
+
+    def _setup(self, unet: nn.Module) -> None:
         from backend.patcher.unet import KModel, UnetPatcher
-        from webui_double.model import tiny_unet
 
-        unet = unet if unet is not None else forge_unet(tiny_unet())
-        self.engine = getattr(diffusion_engine, engine)(UnetPatcher(KModel(unet)))
+        super().__init__(UnetPatcher(KModel(unet)))
         self.observers: list[Callable[..., None]] = []
+
+    @property
+    def unet(self) -> nn.Module:
+        """The U-Net module tree every clone of the patcher shares."""
+        return self.forge_objects_original.unet.model.diffusion_model
+
+    def load_unet_weights(self, state_dict: dict) -> None:
+        self.unet.load_state_dict(state_dict)
+
+    def builtin_token_merging_on(self) -> bool:
+        """Forge's built-in token merging is on this pass's patcher."""
+        patches = self.forge_objects.unet.model_options["transformer_options"].get("patches", {})
+        return any("merge_queries" in getattr(f, "__qualname__", "") for f in patches.get("attn1_patch", ()))
+
+    def get_learned_conditioning(self, prompts: list[str], tokens: int = 8) -> torch.Tensor:
+        from webui_double.model import CONTEXT_DIM
+
+        return torch.stack([torch.randn(tokens, CONTEXT_DIM, generator=torch.Generator().manual_seed(
+            zlib.crc32(prompt.encode()))) for prompt in prompts])
+
+    def apply_model(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        for observer in list(self.observers):
+            observer(self, x, t, cond)
+        # Forge's sampling function: the pass's patcher, cond/uncond order and sigmas per call.
+        return self.forge_objects.unet.apply(x, t, cond, cond_or_uncond=[0] * x.shape[0], sigmas=t)
+
+
+def tiny_forge_model(unet: nn.Module | None = None, engine: str = "StableDiffusion") -> Any:
+    """``shared.sd_model`` in Forge around a tiny U-Net (ldm's SD 1.x layout behind Forge's classes by
+    default); ``engine`` is the ``backend.diffusion_engine`` class: "StableDiffusion", "StableDiffusionXL",
+    "Flux" (whose denoiser is a transformer with no U-Net blocks)."""
+    from backend import diffusion_engine
+    from backend.nn.flux import IntegratedFluxTransformer2DModel
+    from webui_double.model import tiny_unet
+
+    if unet is None:
+        unet = IntegratedFluxTransformer2DModel() if engine == "Flux" else forge_unet(tiny_unet())
+    cls = type(f"Tiny{engine}", (_TinyForgeEngine, getattr(diffusion_engine, engine)), {})
+    model = cls.__new__(cls)
+    model._setup(unet)
+    return model

@@ -11,8 +11,16 @@ from torch import nn
 CONTEXT_DIM = 32
 
 
-def tiny_unet(seed: int = 0) -> nn.Module:
-    """SD 1.x levels (attention at downsample 1, 2, 4 and in the middle block), 32 base channels, 2 heads.
+LAYOUTS = {
+    "sd1": dict(attention_resolutions=[4, 2, 1], channel_mult=[1, 2, 4, 4]),
+    # SDXL's level structure: no attention at full latent resolution.
+    "sdxl": dict(attention_resolutions=[4, 2], channel_mult=[1, 2, 4]),
+}
+
+
+def tiny_unet(seed: int = 0, layout: str = "sd1") -> nn.Module:
+    """SD 1.x levels (attention at downsample 1, 2, 4 and in the middle block) or SDXL's (attention from
+    downsample 2 on), 32 base channels, 2 heads.
 
     ldm zero-initialises every ``proj_out`` and the output conv, which would make every transformer block a
     no-op and every output zero; they get random values so that a patch shows in the output.
@@ -21,8 +29,8 @@ def tiny_unet(seed: int = 0) -> nn.Module:
 
     torch.manual_seed(seed)
     unet = UNetModel(image_size=32, in_channels=4, out_channels=4, model_channels=32, num_res_blocks=1,
-                     attention_resolutions=[4, 2, 1], channel_mult=[1, 2, 4, 4], num_heads=2,
-                     use_spatial_transformer=True, transformer_depth=1, context_dim=CONTEXT_DIM, legacy=False)
+                     num_heads=2, use_spatial_transformer=True, transformer_depth=1, context_dim=CONTEXT_DIM,
+                     legacy=False, **LAYOUTS[layout])
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, parameter in unet.named_parameters():
@@ -51,6 +59,18 @@ class TinySDModel(nn.Module):
         super().__init__()
         self.model = DiffusionWrapper(unet if unet is not None else tiny_unet())
         self.observers: list[Callable[..., None]] = []
+        self.sd_checkpoint_info = None
+
+    @property
+    def unet(self) -> nn.Module:
+        return self.model.diffusion_model
+
+    def load_unet_weights(self, state_dict: dict) -> None:
+        self.unet.load_state_dict(state_dict)
+
+    def builtin_token_merging_on(self) -> bool:
+        """The webui's built-in (tomesd) patch is on."""
+        return any(type(m).__name__ == "ToMeBlock" for m in self.modules())
 
     def get_learned_conditioning(self, prompts: list[str], tokens: int = 8) -> torch.Tensor:
         """Text conditioning stand-in: a fixed tensor per prompt."""
@@ -91,9 +111,9 @@ def module_fingerprint(module: nn.Module) -> list[tuple[str, type, tuple[str, ..
     return [(name, type(m), tuple(sorted(set(vars(m)) - BUILTIN_RESIDUE))) for name, m in module.named_modules()]
 
 
-def snapshot(model: TinySDModel) -> dict[str, Any]:
+def snapshot(model: Any) -> dict[str, Any]:
     """What "unpatched" means: the U-Net's output on a fixed input, its hooks and its module structure."""
-    unet = model.model.diffusion_model
+    unet = model.unet
     x, t, context = fixed_input()
     with torch.no_grad():
         output = unet(x, t, context=context)

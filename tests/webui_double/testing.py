@@ -1,20 +1,27 @@
-"""Fixtures and helpers for tests that drive the extension's scripts through the double.
+"""Fixtures and helpers for tests that drive the extension's scripts through the doubles.
 
 ``host`` (module scope) starts a double webui with the extension loaded and a tiny real U-Net as
-``shared.sd_model``; ``fresh`` (every test) resets settings, observers and reports, records every U-Net call
-of the test in ``host.calls``, and afterwards checks that no hook raised and that the U-Net is pristine.
+``shared.sd_model``, once as the A1111 webui and once as Forge (``tests/forge_double``): tests that use it run
+on both. ``fresh`` (every test) resets settings, checkpoints, observers and reports, records every U-Net call
+of the test in ``host.calls``, and afterwards checks that no hook raised and that every U-Net is pristine.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
 
+import forge_double
 import webui_double
+
+FLAVOURS = ("a1111", "forge")
+BASE_CHECKPOINT = "tiny.safetensors"
 
 LATENT = 16  # latent side of test images (128 px); hires fix at 1.5 makes it 24
 
@@ -25,11 +32,13 @@ EXTENSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 class UnetCall:
     """The state of one U-Net call, seen from inside the sampler."""
 
+    model: Any              # the model object called (the base model, or a refiner switched in)
     hr: bool
     shape: tuple[int, ...]
     options: Any            # tome_core MergeOptions of our live patch, or None when unpatched
     progress: float | None  # the patch's sampling progress at this call
     builtin: bool           # the webui's built-in (tomesd) patch is on
+    levels: frozenset = frozenset()  # the U-Net levels our patch selected (0 = full latent resolution)
 
     @property
     def merging(self) -> bool:
@@ -38,21 +47,51 @@ class UnetCall:
 
 
 class Host:
-    def __init__(self, webui, model, pristine) -> None:
+    def __init__(self, flavour, webui, model, pristine) -> None:
+        self.flavour = flavour
         self.webui = webui
         self.model = model
         self.pristine = pristine
         self.calls: list[UnetCall] = []
 
+    @property
+    def unet(self):
+        return self.model.unet
+
     def record(self, model, x, t, context) -> None:
         import tome_core
         from modules import processing
 
-        patch = tome_core.get_patch(model)
+        patch = tome_core.get_patch(model.unet)
         self.calls.append(UnetCall(
-            hr=bool(processing.current_p.is_hr_pass), shape=tuple(x.shape),
+            model=model, hr=bool(processing.current_p.is_hr_pass), shape=tuple(x.shape),
             options=None if patch is None else patch.options, progress=None if patch is None else patch.progress,
-            builtin=any(type(m).__name__ == "ToMeBlock" for m in model.modules())))
+            builtin=model.builtin_token_merging_on(),
+            levels=frozenset() if patch is None else frozenset(r.level for r in patch.selected)))
+
+    def new_model(self, unet=None, kind: str = "u-net"):
+        """A model of this host around ``unet`` (a tiny SD 1.x U-Net by default); ``kind`` "transformer" is
+        a model with no U-Net blocks (A1111: a module that is not ldm's; Forge: a Flux engine)."""
+        if self.flavour == "forge":
+            from forge_double.model import forge_unet, tiny_forge_model
+
+            if kind == "transformer":
+                return tiny_forge_model(engine="Flux")
+            return tiny_forge_model(forge_unet(unet) if unet is not None else None)
+        from webui_double.model import TinySDModel
+
+        if kind == "transformer":
+            return TinySDModel(unet=_NotAUnet())
+        return TinySDModel(unet)
+
+    def add_checkpoint(self, title: str, model, *, config: str):
+        """Register a checkpoint whose model object is ``model`` (recorded like the base model)."""
+        from modules import sd_models
+
+        model.observers = [self.record]
+        weights = {name: tensor.clone() for name, tensor in model.unet.state_dict().items()}
+        return sd_models.register(sd_models.CheckpointInfo(title, config, build=lambda info: model,
+                                                           weights=lambda: weights))
 
     def assert_pristine(self) -> None:
         """The U-Net is exactly as before any job: same output bits, no hooks, no added attributes."""
@@ -89,33 +128,71 @@ class Host:
                                    args if args is not None else self.tome_args("img2img"))
 
 
-@pytest.fixture(scope="module")
-def host():
+class _NotAUnet(torch.nn.Module):
+    def forward(self, x, t, context=None):
+        return x
+
+
+@contextmanager
+def webui_modules(flavour: str) -> Iterator[None]:
+    """``modules`` (and the extension's own script modules) imported afresh from the double of ``flavour``,
+    and the ones imported before put back afterwards."""
+    owned = ("modules", "scripts", "webui_double.host")
+
+    def ours(name: str) -> bool:
+        return any(name == o or name.startswith(o + ".") for o in owned)
+
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
+    saved_path = list(sys.path)
+    for name in saved:
+        del sys.modules[name]
+    first = [forge_double.FORGE_DOUBLE_DIR] if flavour == "forge" else []
+    sys.path[:] = first + [d for d in sys.path if d != forge_double.FORGE_DOUBLE_DIR]
+    forge_double.install_backend()
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        sys.path[:] = saved_path
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def host(request):
     if not webui_double.install():
         pytest.skip("a real webui's modules are importable here; these tests drive the double")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny U-Net is faster on one thread, and tests share a 2-core machine
-    from modules import shared
-    from webui_double.host import Webui
-    from webui_double.model import TinySDModel, snapshot
+    with webui_modules(request.param):
+        from modules import shared
+        from webui_double.host import Webui
+        from webui_double.model import snapshot
 
-    model = TinySDModel()
-    shared.sd_model = model
-    webui = Webui(EXTENSION_DIR)
-    try:
-        yield Host(webui, model, snapshot(model))
-    finally:
-        webui.unload()
-        shared.sd_model = None
-        torch.set_num_threads(threads)
+        host = Host(request.param, None, None, None)
+        model = host.new_model()
+        base = host.add_checkpoint(BASE_CHECKPOINT, model, config="v1")
+        shared.sd_model = model
+        model.sd_checkpoint_info = base
+        host.pristine = snapshot(model)
+        host.model = model
+        host.webui = Webui(EXTENSION_DIR)
+        try:
+            yield host
+        finally:
+            host.webui.unload()
+            shared.sd_model = None
+            torch.set_num_threads(threads)
 
 
 @pytest.fixture
 def fresh(host):
-    from modules import errors, sd_unet, shared
+    from modules import errors, sd_models, sd_unet, shared
 
     shared.opts.data.clear()
     shared.opts.data.update(shared.DEFAULTS)
+    for title in [t for t in sd_models.checkpoints if t != BASE_CHECKPOINT]:
+        del sd_models.checkpoints[title]
     shared.sd_model = host.model
     sd_unet.current_unet = None
     errors.reported.clear()
@@ -124,7 +201,10 @@ def fresh(host):
     yield host
     host.model.observers[:] = []
     sd_unet.current_unet = None
+    shared.opts.data.clear()
+    shared.opts.data.update(shared.DEFAULTS)
     shared.sd_model = host.model
+    sd_models.reload_model_weights()  # the base checkpoint's weights, should a refiner have left its own
     assert errors.reported == [], "a hook or callback raised"
     host.assert_pristine()  # after every test's last job, whatever the test checked itself
 

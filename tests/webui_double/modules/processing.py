@@ -10,6 +10,12 @@ and the first-pass ratio again), ``postprocess_batch``, per image ``postprocess_
 restored (only those config.json holds). An exception during sampling skips the rest, ``postprocess``
 included.
 
+The refiner: before each evaluation (before the ``on_cfg_denoiser`` callbacks), once the pass has done
+``refiner_switch_at`` of its evaluations, the denoiser loads the refiner checkpoint with
+``sd_models.reload_model_weights`` (in the pass the ``hires_fix_refiner_pass`` setting names, with hires fix),
+which makes a new ``shared.sd_model`` when its config differs; each batch and each job start by loading the
+base checkpoint back.
+
 The U-Net is called once per model evaluation with cond and uncond batched (two calls when
 ``batch_cond_uncond`` is off); the samplers keep the webui's evaluation counts: Euler one per step, Heun two
 per step but one in its last step, DDIM one fewer than its steps. Images are the final latents (no VAE).
@@ -25,7 +31,7 @@ import tomesd
 import torch
 import torch.nn.functional as F
 
-from modules import infotext_utils, script_callbacks, sd_unet, shared
+from modules import infotext_utils, script_callbacks, sd_models, sd_unet, shared
 from modules.shared import opts, state
 
 current_p: Any = None  # the job being processed; lets tests observe U-Net calls in context (double only)
@@ -63,6 +69,8 @@ class StableDiffusionProcessing:
     extra_generation_params: dict = field(default_factory=dict)
     styles: list = field(default_factory=list)
     do_not_save_samples: bool = True
+    refiner_checkpoint: str | None = None
+    refiner_switch_at: float | None = None
 
     # Plain class attributes in the webui too (not dataclass fields, not API fields).
     token_merging_ratio = 0
@@ -78,6 +86,7 @@ class StableDiffusionProcessing:
         self.all_prompts = self.all_negative_prompts = self.all_seeds = self.all_subseeds = None
         self.prompts = self.negative_prompts = self.seeds = self.subseeds = None
         self.batch_index = 0
+        self.refiner_checkpoint_info = None
 
     # Assigning both ``scripts`` and ``script_args`` runs the scripts' ``setup`` once.
     @property
@@ -115,6 +124,10 @@ class StableDiffusionProcessing:
 
     def init(self, all_prompts, all_seeds, all_subseeds) -> None:
         pass
+
+    def before_batch(self) -> None:
+        """At the start of each batch of the batch count: the base model back (the refiner may be loaded)."""
+        sd_models.reload_model_weights()
 
     def setup_conds(self) -> None:
         self.c = self.sd_model.get_learned_conditioning(self.prompts)
@@ -217,6 +230,7 @@ class CFGDenoiser:
         self.p = None
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, cond, uncond, cond_scale: float) -> torch.Tensor:
+        apply_refiner(self)
         params = script_callbacks.CFGDenoiserParams(x, None, sigma, state.sampling_step, state.sampling_steps,
                                                     cond, uncond, self)
         script_callbacks.cfg_denoiser_callback(params)
@@ -231,6 +245,29 @@ class CFGDenoiser:
         denoised_cond, denoised_uncond = out[:batch], out[batch:]
         self.step += 1
         return denoised_uncond + (denoised_cond - denoised_uncond) * cond_scale
+
+
+def apply_refiner(denoiser: CFGDenoiser) -> bool:
+    """Switch to the refiner once ``refiner_switch_at`` of the pass's evaluations are done."""
+    p = denoiser.p
+    info = p.refiner_checkpoint_info
+    if info is None or p.refiner_switch_at is None or denoiser.step / denoiser.total_steps < p.refiner_switch_at:
+        return False
+    if getattr(shared.sd_model, "sd_checkpoint_info", None) is info:
+        return False
+    if getattr(p, "enable_hr", False):
+        wanted = opts.hires_fix_refiner_pass
+        if (wanted == "first pass" and p.is_hr_pass) or (wanted == "second pass" and not p.is_hr_pass):
+            return False
+    p.extra_generation_params["Refiner"] = info.short_title
+    p.extra_generation_params["Refiner switch at"] = p.refiner_switch_at
+    load_refiner(info)
+    p.setup_conds()
+    return True
+
+
+def load_refiner(info) -> None:
+    sd_models.reload_model_weights(info=info)
 
 
 class Sampler:
@@ -403,6 +440,7 @@ def process_images(p) -> Processed:
     try:
         for key, value in p.override_settings.items():
             opts.set(key, value, is_api=True, run_callbacks=False)
+        sd_models.reload_model_weights()  # the base model back, should the last job have ended on the refiner
         apply_token_merging(p.sd_model, p.get_token_merging_ratio())
         return process_images_inner(p)
     finally:
@@ -422,6 +460,10 @@ def process_images_inner(p) -> Processed:
     p.all_subseeds = [p.subseed + i for i in range(total)]
     if p.scripts is not None:
         p.scripts.process(p)
+    if p.refiner_checkpoint not in (None, "", "None"):
+        p.refiner_checkpoint_info = sd_models.get_closet_checkpoint_match(p.refiner_checkpoint)
+        if p.refiner_checkpoint_info is None:
+            raise Exception(f"Could not find checkpoint with name {p.refiner_checkpoint}")
     p.init(p.all_prompts, p.all_seeds, p.all_subseeds)
     sd_unet.apply_unet()
 
@@ -435,6 +477,7 @@ def process_images_inner(p) -> Processed:
         p.prompts, p.negative_prompts = p.all_prompts[batch], p.all_negative_prompts[batch]
         p.seeds, p.subseeds = p.all_seeds[batch], p.all_subseeds[batch]
         batch_kwargs = dict(batch_number=n, prompts=p.prompts, seeds=p.seeds, subseeds=p.subseeds)
+        p.before_batch()
         if p.scripts is not None:
             p.scripts.before_process_batch(p, **batch_kwargs)
             p.scripts.process_batch(p, **batch_kwargs)

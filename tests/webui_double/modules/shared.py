@@ -13,6 +13,7 @@ DEFAULTS: dict[str, Any] = {
     "img2img_fix_steps": False,
     "sd_model_checkpoint": "tiny.safetensors",
     "eta_ddim": 0.0,
+    "hires_fix_refiner_pass": "second pass",
 }
 
 

@@ -1,0 +1,114 @@
+"""Forge's processing: the A1111 double's jobs, samplers and infotext, with what Forge changes.
+
+- ``shared.sd_model`` runs through ``forge_objects.unet`` (a ``UnetPatcher``). Every sampling pass starts from
+  a fresh shallow copy, ``forge_objects = forge_objects_after_applying_lora.shallow_copy()``, so patches set on
+  the previous pass's patcher are gone; each batch also starts from ``forge_objects_original``.
+- The built-in token merging is applied to that pass's patcher (queries only, ``backend.misc.tomesd``),
+  between the reset and ``process_before_every_sampling``; there is no job-wide built-in patch.
+- In the hires pass, ``process_before_every_sampling`` runs twice: before the reset (its patcher changes are
+  lost) and after it.
+- Models are (re)loaded with ``forge_model_reload``: at the job's start, at each batch, and for the refiner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from modules import sd_models, shared
+from modules.shared import opts
+
+_spec = importlib.util.spec_from_file_location(
+    "modules._a1111_processing",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "webui_double",
+                 "modules", "processing.py"))
+_a1111 = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_a1111)
+
+from modules._a1111_processing import *  # noqa: E402,F401,F403  (what Forge keeps as it is)
+
+current_p = None
+
+
+def apply_token_merging(sd_model, ratio: float) -> None:
+    """Forge's built-in: on this pass's patcher only, and only when the ratio is above 0."""
+    if ratio <= 0:
+        return
+    from backend.misc.tomesd import TomePatcher
+
+    sd_model.forge_objects.unet = TomePatcher().patch(model=sd_model.forge_objects.unet, ratio=ratio)
+
+
+def fresh_pass(p, ratio: float) -> None:
+    p.sd_model.forge_objects = p.sd_model.forge_objects_after_applying_lora.shallow_copy()
+    apply_token_merging(p.sd_model, ratio)
+
+
+class StableDiffusionProcessingTxt2Img(_a1111.StableDiffusionProcessingTxt2Img):
+    def before_batch(self) -> None:
+        sd_models.forge_model_reload()
+        self.sd_model.forge_objects = self.sd_model.forge_objects_original.shallow_copy()
+        self.sd_model.forge_objects = self.sd_model.forge_objects_after_applying_lora.shallow_copy()
+
+    def sample(self, conditioning, unconditional_conditioning, seeds, subseeds, subseed_strength, prompts):
+        sampler = create_sampler(self.sampler_name)
+        x = self.noise(self.height // 8, self.width // 8)
+        fresh_pass(self, self.get_token_merging_ratio())
+        if self.scripts is not None:
+            self.scripts.process_before_every_sampling(self, x=x, noise=x, c=conditioning,
+                                                       uc=unconditional_conditioning)
+        samples = sampler.sample(self, x, conditioning, unconditional_conditioning)
+        if not self.enable_hr:
+            return samples
+        return self.sample_hr_pass(samples)
+
+    def sample_hr_pass(self, samples):
+        import torch.nn.functional as F
+
+        self.is_hr_pass = True
+        target = (self.hr_upscale_to_y // 8, self.hr_upscale_to_x // 8)
+        samples = F.interpolate(samples, size=target, mode="nearest")
+        sampler = create_sampler(self.hr_sampler_name or self.sampler_name)
+        noise = self.noise(*target, salt=1)
+        if self.scripts is not None:
+            self.scripts.before_hr(self)
+            self.scripts.process_before_every_sampling(self, x=samples, noise=noise, c=self.c, uc=self.uc)
+        fresh_pass(self, self.get_token_merging_ratio(for_hr=True))
+        if self.scripts is not None:
+            self.scripts.process_before_every_sampling(self, x=samples, noise=noise, c=self.c, uc=self.uc)
+        samples = sampler.sample_img2img(self, samples, noise, self.c, self.uc,
+                                         steps=self.hr_second_pass_steps or self.steps)
+        self.is_hr_pass = False
+        return samples
+
+
+class StableDiffusionProcessingImg2Img(_a1111.StableDiffusionProcessingImg2Img):
+    before_batch = StableDiffusionProcessingTxt2Img.before_batch
+
+    def sample(self, conditioning, unconditional_conditioning, seeds, subseeds, subseed_strength, prompts):
+        sampler = create_sampler(self.sampler_name)
+        noise = self.noise(*self.init_latent.shape[-2:])
+        fresh_pass(self, self.get_token_merging_ratio())
+        if self.scripts is not None:
+            self.scripts.process_before_every_sampling(self, x=self.init_latent, noise=noise, c=conditioning,
+                                                       uc=unconditional_conditioning)
+        return sampler.sample_img2img(self, self.init_latent, noise, conditioning, unconditional_conditioning)
+
+
+def process_images(p) -> Processed:
+    global current_p
+    current_p = p
+    if p.scripts is not None:
+        p.scripts.before_process(p)
+    stored = {k: opts.data[k] for k in p.override_settings if k in opts.data}
+    try:
+        for key, value in p.override_settings.items():
+            opts.set(key, value, is_api=True, run_callbacks=False)
+        sd_models.forge_model_reload()
+        return _a1111.process_images_inner(p)
+    finally:
+        if p.override_settings_restore_afterwards:
+            for key, value in stored.items():
+                opts.set(key, value)
+        current_p = None

@@ -1,0 +1,126 @@
+"""The refiner: the webui (A1111 and Forge) switches to another checkpoint during sampling without calling
+any Script hook. ToMe must follow it with the same settings, keep counting the pass's steps, restore both
+models after the job, and say in the infotext when the refiner could not be merged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tome_core
+from webui_double.model import hook_count, snapshot, tiny_unet
+from webui_double.testing import fresh, host, tome_keys  # noqa: F401  (fixtures)
+
+STEPS = 4
+
+
+def refiner(host, *, own_config: bool = True, kind: str = "u-net", layout: str = "sdxl"):
+    """Register a refiner checkpoint: with its own config (a new model object at the switch; by default with
+    SDXL's levels, so "auto" must pick another level than on the base model), or sharing the base model's
+    config (its weights load into the base model's modules)."""
+    model = host.new_model(tiny_unet(seed=5, layout=layout if own_config else "sd1"), kind=kind)
+    host.add_checkpoint("refiner.safetensors", model, config="refiner" if own_config else "v1")
+    return model
+
+
+def assert_unpatched(model) -> None:
+    assert hook_count(model.unet) == 0 and not tome_core.is_patched(model.unet)
+
+
+def test_tome_covers_the_refiners_steps_with_the_same_settings(fresh):
+    other = refiner(fresh)
+    args = fresh.tome_args(enabled=True, ratio=0.4, step_start=0.2)
+    processed = fresh.txt2img(args, steps=STEPS, refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
+    calls = fresh.calls
+    assert [c.model for c in calls] == [fresh.model] * 2 + [other] * 2
+    assert all(c.options is not None for c in calls)
+    assert len({c.options for c in calls}) == 1  # the same engine options before and after the switch
+    # The step window keeps counting the pass's steps across the switch.
+    assert [c.progress for c in calls] == [0.125, 0.375, 0.625, 0.875]
+    assert [c.merging for c in calls] == [False, True, True, True]
+    # Levels "auto" adapt to each U-Net: SD 1.x merges at full resolution, the SDXL-layout refiner at half.
+    assert [c.levels for c in calls] == [{0}] * 2 + [{1}] * 2
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe step start": "0.2"}
+    assert "Refiner: refiner" in processed.infotexts[0]
+    assert_unpatched(other)  # both models restored after the job (the base by the fixture)
+
+
+def test_the_refiners_steps_are_merged_and_a_plain_job_afterwards_is_plain(fresh):
+    refiner(fresh)
+    job = dict(seed=3, steps=STEPS, refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
+    plain = fresh.txt2img(fresh.tome_args(), **job).images[0]
+    whole = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.5), **job).images[0]
+    base_steps_only = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.5, step_end=0.5), **job).images[0]
+    assert not torch.equal(whole, base_steps_only)  # the refiner's steps merge too
+    assert not torch.equal(whole, plain)
+    assert torch.equal(fresh.txt2img(fresh.tome_args(), **job).images[0], plain)
+
+
+def test_a_refiner_sharing_the_base_config_keeps_the_patch(fresh):
+    other = refiner(fresh, own_config=False)
+    processed = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.3), steps=STEPS,
+                              refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
+    if fresh.flavour == "a1111":  # the refiner's weights load into the base model's modules
+        assert [c.model for c in fresh.calls] == [fresh.model] * 4
+    else:  # Forge builds a model object for every checkpoint it loads
+        assert [c.model for c in fresh.calls] == [fresh.model] * 2 + [other] * 2
+    assert [c.options.ratio for c in fresh.calls] == [0.3] * 4
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.3"}
+    assert_unpatched(other)
+
+
+def test_an_unsupported_refiner_runs_unmerged_and_the_infotext_says_so(fresh, capsys):
+    other = refiner(fresh, kind="transformer")
+    processed = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.5), n_iter=2, steps=STEPS,
+                              refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
+    assert [(c.model is other, c.options is not None) for c in fresh.calls] == 2 * (
+        [(False, True)] * 2 + [(True, False)] * 2)
+    for infotext in processed.infotexts:
+        assert tome_keys(infotext) == {"ToMe ratio": "0.5", "ToMe refiner": "unmerged"}
+    lines = [line for line in capsys.readouterr().out.splitlines() if "[ToMe]" in line]
+    assert len(lines) == 1 and "refiner" in lines[0] and "transformer" in lines[0], lines
+
+
+@pytest.mark.parametrize("refiner_pass, switched", [
+    # Hires fix with the refiner: in which passes the switch happens (the webui's setting).
+    # Once switched, the refiner stays for the rest of the job's batch.
+    ("first pass", [False, False, True, True] + [True] * 3),
+    ("second pass", [False] * 4 + [False, False, True]),
+    ("both passes", [False, False, True, True] + [True] * 3),
+])
+def test_hires_fix_with_the_refiner_merges_every_step_with_each_pass_ratio(fresh, refiner_pass, switched):
+    from modules import shared
+
+    shared.opts.hires_fix_refiner_pass = refiner_pass
+    other = refiner(fresh)
+    processed = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.4, hr_ratio=0.6), steps=STEPS,
+                              enable_hr=True, hr_second_pass_steps=3, denoising_strength=0.7,
+                              refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
+    calls = fresh.calls
+    # 4 first-pass evaluations, then int(0.7 * 3) + 1 = 3 in the hires pass; a switched pass stays switched.
+    assert [c.hr for c in calls] == [False] * 4 + [True] * 3
+    assert [c.model is other for c in calls] == switched
+    assert [c.options.ratio for c in calls] == [0.4] * 4 + [0.6] * 3
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe hr ratio": "0.6"}
+    assert_unpatched(other)
+
+
+def test_a_job_that_fails_on_the_refiner_leaves_nothing_on_the_next_job(fresh):
+    other = refiner(fresh)
+    pristine = snapshot(other)
+
+    def fail_on_the_refiner(model, x, t, context):
+        raise RuntimeError("out of memory (injected)")
+
+    other.observers.append(fail_on_the_refiner)
+    with pytest.raises(RuntimeError, match="injected"):
+        fresh.txt2img(fresh.tome_args(enabled=True), steps=STEPS, refiner_checkpoint="refiner.safetensors",
+                      refiner_switch_at=0.5)
+    other.observers.remove(fail_on_the_refiner)
+    assert tome_core.is_patched(other.unet)  # postprocess did not run, as in the webui
+    fresh.calls.clear()
+    fresh.txt2img(fresh.tome_args(), steps=STEPS, refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
+    assert [c.options for c in fresh.calls] == [None] * 4
+    now = snapshot(other)
+    assert now["hooks"] == 0 and now["modules"] == pristine["modules"]
+    assert torch.equal(now["output"], pristine["output"])
