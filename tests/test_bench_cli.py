@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tome_core.bench import archs, cli, gpucheck
+from tome_core.bench import archs, cli, gpucheck, jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +29,7 @@ def nothing_is_timed(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("timing started")
 
-    monkeypatch.setattr(cli, "model_timer", refuse)
+    monkeypatch.setattr(jobs, "model_timer", refuse)
     monkeypatch.setattr(cli, "merge_overhead", refuse)
     monkeypatch.setattr(archs, "build_unet", refuse)
 
@@ -119,8 +119,8 @@ def test_entry_points_answer_help(module):
     assert done.returncode == 0 and "--repeats" in done.stdout
 
 
-@pytest.mark.parametrize("module", ["archs", "checkpoint", "contenders", "timing", "probes", "report", "cli",
-                                    "gpucheck"])
+@pytest.mark.parametrize("module", ["archs", "checkpoint", "contenders", "timing", "probes", "report", "jobs",
+                                    "cli", "gpucheck"])
 def test_each_bench_module_imports_alone_without_ldm(module):
     # A fresh interpreter per module: an import cycle shows only when a module of the cycle is imported first.
     code = (f"import sys, tome_core.bench.{module}; "

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import tome_core
-from tome_core.bench import archs, cli
+from tome_core.bench import archs, cli, jobs
 from tome_core.bench.contenders import IdealPatch, Wrapped, contenders
-from tome_core.bench.report import (BUSY_SPREAD, Row, busy_warning, find_busy, share_of_ideal, speed_table,
+from tome_core.bench.report import (BUSY_SPREAD, Load, Row, busy_warning, find_busy, share_of_ideal, speed_table,
                                     speed_table_line)
 from tome_core.bench.timing import Spread, interleaved_rounds, rotated
 from unets import inputs, run, tiny_unet
@@ -105,6 +105,13 @@ def test_busy_warning_triggers_only_above_ten_percent():
     assert find_busy(busy).over == 1
 
 
+class QuietWatch:
+    """No other process uses any core."""
+
+    def others(self, shortest_s=1.0):
+        return 0.0
+
+
 @pytest.mark.parametrize("noisy, warned", [(False, False), (True, True)])
 def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_unet, noisy, warned):
     # Inject the timings: every contender steady, or "ours" with one slow call in every other round.
@@ -117,7 +124,8 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
             return base * (1.5 if noisy and name == "ours" and counts[name] % 2 else 1.0)
         return time_one
 
-    monkeypatch.setattr(cli, "model_timer", fake_timer)
+    monkeypatch.setattr(jobs, "model_timer", fake_timer)
+    monkeypatch.setattr(jobs, "CpuWatch", QuietWatch)
     assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "5", "--quiet", "--skip", "block",
                      "overhead", "memory"]) == 0
     out = capsys.readouterr().out
@@ -127,8 +135,46 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
         assert "| 1.25x | 1.18x | 1.67x | 37% | 26% |" in out
 
 
+@pytest.mark.parametrize("others, cores, threads, contended", [
+    (0.05, 2, 2, False), (0.9, 2, 2, True), (1.0, 2, 1, False), (1.3, 2, 1, True), (8.0, 16, 4, False),
+    (2.0, 16, 16, True), (0.0, 1, 1, False)])
+def test_other_processes_contend_when_they_take_cores_this_run_needs(others, cores, threads, contended):
+    # Free cores = cores − others; contended when fewer than this run's threads (a tenth of a core of slack each).
+    assert Load("U-Net sd15 512 px", others, cores, threads).contended == contended
+
+
+def test_a_steady_load_warns_even_with_steady_rounds():
+    steady = [("U-Net sd15 512 px none", spread(100, 100, 100))]
+    assert busy_warning(steady, "a quiet machine", Load("x", 0.05, 2, 2)) is None
+    line = busy_warning(steady, "a quiet machine", Load("U-Net sd15 768 px r=0.5", 0.93, 2, 2))
+    assert line == ("WARNING: the machine was busy: other processes kept 0.9 of the 2 cores busy (during U-Net sd15 "
+                    "768 px r=0.5) while this run computed with 2 threads, so these speed-ups may be off. For "
+                    "steadier figures: a quiet machine.")
+
+
+class BusyWatch:
+    """Other processes keep every core busy."""
+
+    def others(self, shortest_s=1.0):
+        import os
+
+        return float(os.cpu_count())
+
+
+def test_the_main_job_warns_when_other_processes_hold_its_cores(monkeypatch, capsys, webui_unet):
+    monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: 10.0))
+    monkeypatch.setattr(jobs, "CpuWatch", BusyWatch)
+    assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "3", "--quiet", "--skip", "block",
+                     "overhead", "memory"]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "other processes kept" in warnings[0]
+    assert "# load: other processes kept at most" in out
+
+
 def test_a_single_round_says_it_cannot_judge(monkeypatch, capsys, webui_unet):
-    monkeypatch.setattr(cli, "model_timer", lambda *a: (lambda name: 10.0))
+    monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: 10.0))
+    monkeypatch.setattr(jobs, "CpuWatch", QuietWatch)
     assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "1", "--quiet", "--skip", "block",
                      "overhead", "memory"]) == 0
     assert "NOTE: 1 round(s) per U-Net case measure no spread" in capsys.readouterr().out
@@ -250,5 +296,5 @@ def test_any_multiple_of_8_px_runs_as_in_the_webui(webui_unet, latent):
 
 
 def test_top_grid_rounds_up_as_strided_convolutions_do():
-    assert [cli.top_grid(px, 1) for px in (16, 24, 72, 1024)] == [1, 2, 5, 64]
-    assert cli.top_grid(520, 0) == 65 and math.ceil(65 / 2) == cli.top_grid(520, 1)
+    assert [archs.top_grid(px, 1) for px in (16, 24, 72, 1024)] == [1, 2, 5, 64]
+    assert archs.top_grid(520, 0) == 65 and math.ceil(65 / 2) == archs.top_grid(520, 1)

@@ -9,8 +9,10 @@ Modules, by concern (each imports only those listed before it):
     archs       the webui's U-Net architectures with SDP attention, random weights, any width scale
     checkpoint  a real checkpoint's U-Net, read off its tensors
     contenders  what is raced: no ToMe, ours, tomesd, and the ideal (attention on fewer tokens, chosen free)
-    timing      interleaved rounds, medians and spreads, the merge overhead, peak memory
+    timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
+    probes      the merge's own cost: time and peak memory of find + merge + unmerge
     report      markdown tables, shares of the ideal's gain, the busy-machine warning, the chart
+    jobs        the measurements: a whole U-Net step, one top transformer, a real checkpoint
     cli         arguments and their validation, the main job (``python -m tome_core.bench``)
     gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
 """

@@ -38,6 +38,15 @@ def top_attention_level(arch: str) -> int:
     return int(math.log2(min(ARCHS[arch]["attention_resolutions"])))
 
 
+def top_grid(size_px: int, level: int) -> int:
+    """Token grid side at ``level`` of a square ``size_px`` image: latent side size/8, then halved (rounded
+    up, as ldm's stride-2 convolutions do) once per level."""
+    side = size_px // 8
+    for _ in range(level):
+        side = math.ceil(side / 2)
+    return side
+
+
 def scaled_channels(channels: int, width: float) -> int:
     """``channels`` scaled by ``width``, kept a positive multiple of 32 (ldm's GroupNorm has 32 groups)."""
     return max(GROUPNORM_GROUPS, int(channels * width) // GROUPNORM_GROUPS * GROUPNORM_GROUPS)

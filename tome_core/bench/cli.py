@@ -12,26 +12,23 @@ Every bad argument is refused with one line and exit status 2 before anything is
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 
-from tome_core.options import effective_ratio, ratio_cap
+from tome_core.options import ratio_cap
 
-from . import archs
-from .checkpoint import CheckpointError, build_from_checkpoint, relative_l2
-from .contenders import Contender, Wrapped, contenders, tomesd_available
+from . import archs, jobs
+from .archs import top_grid
+from .checkpoint import CheckpointError, build_from_checkpoint
+from .jobs import CHEAP_ROUNDS, STRIDE, TIMESTEPS, Setup, dtype_name, hardware
 from .probes import merge_overhead, peak_memory, peak_memory_child
-from .report import Row, busy_warning, find_busy, ms_cell, row_timings, speed_table, write_chart
-from .timing import Spread, interleaved_rounds, model_timer, progress_bar, spreads
+from .report import Load, find_busy, ms_cell, row_timings, speed_table, write_chart
+from .timing import CpuWatch, progress_bar
 
 PROG = "python -m tome_core.bench"
-STRIDE = 2  # sx = sy = 2, the default of ours and tomesd
-CHEAP_ROUNDS = 9  # the single-block and overhead probes cost little: more rounds, steadier medians
 
 
 class UsageError(Exception):
@@ -107,15 +104,6 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def top_grid(size_px: int, level: int) -> int:
-    """Token grid side at ``level`` of a square ``size_px`` image: latent side size/8, then halved (rounded
-    up, as ldm's stride-2 convolutions do) once per level."""
-    side = size_px // 8
-    for _ in range(level):
-        side = math.ceil(side / 2)
-    return side
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``UsageError`` for the first bad argument; fill in the size default."""
     for ratio in args.ratios:
@@ -161,154 +149,30 @@ def check_size_fits(size: int, model: str, level: int) -> None:
                          f"{smallest} px)")
 
 
-@dataclass
-class Setup:
-    """What every measurement of one run shares."""
-
-    device: torch.device
-    dtype: torch.dtype
-    progress: object  # a tqdm bar, or a stand-in that shows nothing
-
-
-def hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return f"{device.type}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _names(args: argparse.Namespace) -> list[str]:
-    names = ["none", "ours"]
-    if tomesd_available() and not args.no_tomesd:
-        names.append("tomesd")
-    if not args.no_ideal:
-        names.append("ideal")
-    return names
-
-
-def _inputs(batch: int, channels: int, side: int, ctx_dim: int, depth: int, device: torch.device,
-            dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Fixed random x (B, channels, side, side) and ``depth`` copies of one context (B, 77, ctx_dim)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, channels, side, side, generator=gen).to(device, dtype)
-    ctx = [torch.randn(batch, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
-    return x, ctx
-
-
-def _race(model: torch.nn.Module, call, racers: list[Contender], setup: Setup, rounds: int,
-          budget_s: float | None = None) -> dict[str, Spread]:
-    names = [c.name for c in racers]
-    timer = model_timer(model, call, racers, setup.device)
-    samples = interleaved_rounds(names, timer, rounds, budget_s=budget_s,
-                                 on_call=lambda name: setup.progress.update())
-    return spreads(samples)
-
-
-def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = None) -> list[Row]:
-    """One Row per (model, size, ratio): a whole U-Net step (B latents, one timestep, a context)."""
-    rows = []
-    for arch in args.models:
-        unet, ctx_dim = archs.build_unet(arch, setup.device, setup.dtype, args.width)
-        wrapped = Wrapped(unet)
-        for size in args.sizes:
-            x, ctx = _inputs(args.batch, 4, size // 8, ctx_dim, archs.unet_depth(unet), setup.device, setup.dtype)
-            t = torch.full((args.batch,), 500.0, device=setup.device)
-            for ratio in args.ratios:
-                # On SDXL, give tomesd the level ours picks automatically, so the race is fair.
-                tomesd_md = args.max_downsample or 2 ** archs.top_attention_level(arch)
-                racers = contenders(ratio, not args.no_rand, args.max_downsample, tomesd_md,
-                                    with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal)
-                setup.progress.set_postfix_str(f"U-Net {arch} {size} px r={ratio}")
-                ms = _race(wrapped, lambda: unet(x, t, context=ctx), racers, setup, args.repeats, budget_s)
-                rows.append(Row(arch, size, effective_ratio(ratio, STRIDE, STRIDE), ms))
-        del unet, wrapped
-        gc.collect()
-    return rows
-
-
-def bench_block(args: argparse.Namespace, setup: Setup) -> list[Row]:
-    """One Row per (model, size, ratio): the first transformer of the highest-resolution attention level alone."""
-    rows = []
-    for arch in args.models:
-        unet, ctx_dim = archs.build_unet(arch, setup.device, setup.dtype, args.width)
-        transformer, down = archs.top_transformer(unet)
-        del unet
-        wrapped = Wrapped(transformer)
-        depth = len(transformer.transformer_blocks)
-        for size in args.sizes:
-            grid = top_grid(size, int(math.log2(down)))
-            x, ctx = _inputs(args.batch, archs.transformer_channels(transformer), grid, ctx_dim, depth,
-                             setup.device, setup.dtype)
-            for ratio in args.ratios:
-                def tell_tomesd_the_grid(model, grid=grid):
-                    # tomesd learns the latent size from a U-Net pre-hook, which a lone block does not have.
-                    transformer._tome_info["size"] = (grid, grid)
-
-                racers = contenders(ratio, not args.no_rand, None, 8, with_tomesd=not args.no_tomesd,
-                                    with_ideal=not args.no_ideal, tomesd_setup=tell_tomesd_the_grid)
-                setup.progress.set_postfix_str(f"block {arch} {size} px r={ratio}")
-                ms = _race(wrapped, lambda: transformer(x, context=ctx), racers, setup,
-                           max(args.repeats, CHEAP_ROUNDS))
-                rows.append(Row(arch, size, effective_ratio(ratio, STRIDE, STRIDE), ms))
-    return rows
-
-
-def checkpoint_job(args: argparse.Namespace, setup: Setup, unet: torch.nn.Module, family: str,
-                   context_dim: int) -> list[dict]:
-    """Print, per ratio, ms per U-Net call (interleaved rounds with no ToMe) and the relative L2 distance of the
-    patched prediction from the unpatched one on fixed noise at a few timesteps. Returns the rows."""
-    import tome_core
-
-    size = args.sizes[0]
-    x, ctx = _inputs(args.batch, unet.in_channels, size // 8, context_dim, archs.unet_depth(unet), setup.device,
-                     setup.dtype)
-    timesteps = (999.0, 749.0, 499.0, 249.0)
-    at = {t: torch.full((args.batch,), t, device=setup.device) for t in timesteps}
-    errors = {}
-    with torch.no_grad():
-        reference = {t: unet(x, at[t], context=ctx) for t in timesteps}
-        for ratio in args.ratios:
-            tome_core.apply_patch(unet, ratio=ratio, max_downsample=args.max_downsample, use_rand=not args.no_rand)
-            try:
-                errors[ratio] = [relative_l2(unet(x, at[t], context=ctx), reference[t]) for t in timesteps]
-            finally:
-                tome_core.remove_patch(unet)
-
-    def ours_at(ratio: float) -> Contender:
-        return Contender(f"ratio {ratio:g}", lambda m: tome_core.apply_patch(
-            m, ratio=ratio, max_downsample=args.max_downsample, use_rand=not args.no_rand), tome_core.remove_patch)
-
-    racers = [Contender("none", lambda m: None, lambda m: None)] + [ours_at(r) for r in args.ratios]
-    ms = _race(unet, lambda: unet(x, at[499.0], context=ctx), racers, setup, args.repeats)
-    setup.progress.close()
-    base = ms["none"]
-    print(f"\n## {args.checkpoint}: {family} U-Net at {size} px, batch {args.batch}\n")
-    print(f"Median ms per call over {base.rounds} interleaved rounds, (spread) = interquartile range / median; "
-          f"rel. L2 = how far the prediction moves from the unmerged one.\n")
-    print("| ratio | ms | speed-up | " + " | ".join(f"rel. L2 t={int(t)}" for t in timesteps) + " |")
-    print("|------:|---:|------:|" + "------:|" * len(timesteps))
-    print(f"| 0.00 | {ms_cell(base)} | 1.00x | " + " | ".join("0" for _ in timesteps) + " |")
-    rows = []
-    for ratio in args.ratios:
-        spread = ms[f"ratio {ratio:g}"]
-        row = dict(ratio=effective_ratio(ratio, STRIDE, STRIDE), ms=spread.median,
-                   speedup=base.median / spread.median, errors=errors[ratio])
-        rows.append(row)
-        print(f"| {row['ratio']:.2f} | {ms_cell(spread)} | {row['speedup']:.2f}x | "
-              + " | ".join(f"{e:.4f}" for e in row["errors"]) + " |")
-    warning = busy_warning([(name, s) for name, s in ms.items()], steadier_hint(args))
-    if warning:
-        print("\n" + warning)
-    return rows
-
-
 def steadier_hint(args: argparse.Namespace) -> str:
     more = max(args.repeats * 2, 5)
-    return (f"more rounds (--repeats {more}), fewer threads (--threads 1, or close other programs), or a quiet "
-            f"machine")
+    return (f"more rounds (--repeats {more}), fewer threads than free cores (--threads 1), or a quiet machine "
+            f"(close other programs)")
+
+
+def load_line(load: Load | None) -> str | None:
+    if load is None:
+        return None
+    return (f"# load: other processes kept at most {load.others:.2f} of the {load.cores} cores busy while a case "
+            f"was timed (during {load.label}); this run computed with {load.threads} thread"
+            f"{'s' if load.threads > 1 else ''}")
+
+
+def print_checkpoint(args: argparse.Namespace, family: str, base, rows: list[jobs.CheckpointRow]) -> None:
+    print(f"\n## {args.checkpoint}: {family} U-Net at {args.sizes[0]} px, batch {args.batch}\n")
+    print(f"Median ms per call over {base.rounds} interleaved rounds, (spread) = interquartile range / median; "
+          f"rel. L2 = how far the prediction moves from the unmerged one.\n")
+    print("| ratio | ms | speed-up | " + " | ".join(f"rel. L2 t={int(t)}" for t in TIMESTEPS) + " |")
+    print("|------:|---:|------:|" + "------:|" * len(TIMESTEPS))
+    print(f"| 0.00 | {ms_cell(base)} | 1.00x | " + " | ".join("0" for _ in TIMESTEPS) + " |")
+    for row in rows:
+        print(f"| {row.ratio:.2f} | {ms_cell(row.ms)} | {row.speedup:.2f}x | "
+              + " | ".join(f"{e:.4f}" for e in row.errors) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,17 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         try:
             loaded = build_from_checkpoint(args.checkpoint, device, dtype)
-            family = loaded[1]
-            level = 1 if family == "sdxl" else 0
             for size in args.sizes:
-                check_size_fits(size, family, level)
+                check_size_fits(size, loaded[1], 1 if loaded[1] == "sdxl" else 0)
         except (CheckpointError, UsageError) as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
-    names = _names(args)
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
     print(f"# ToMe benchmark: {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP attention, "
           f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, "
-          f"contenders: {', '.join(names)}")
+          f"contenders: {', '.join(names) if loaded is None else 'none and ours per ratio'}")
     print(f"# command: {PROG} {' '.join(argv if argv is not None else sys.argv[1:])}")
     cap = ratio_cap(STRIDE, STRIDE)
     for ratio in args.ratios:
@@ -354,22 +216,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# ratio {ratio:g} is above the {STRIDE}×{STRIDE} stride's cap: every source token merges, "
                   f"so {cap:.2f} is used (the tables show the ratio used)")
     if loaded is not None:
-        setup = Setup(device, dtype,
-                      progress_bar((len(args.ratios) + 1) * (args.repeats + 1), not args.quiet, "timing"))
-        checkpoint_job(args, setup, *loaded)
+        unet, family, context_dim = loaded
+        setup = Setup(device, dtype, progress_bar((len(args.ratios) + 1) * (args.repeats + 1), not args.quiet))
+        base, rows = jobs.bench_checkpoint(args, setup, unet, context_dim)
+        setup.progress.close()
+        print_checkpoint(args, family, base, rows)
+        timings = [("no ToMe", base)] + [(f"ratio {row.ratio:.2f}", row.ms) for row in rows]
+        finish(args, timings, setup.load(), bool(rows))
         return 0
+
     per_case = len(args.models) * len(args.sizes) * len(args.ratios) * len(names)
     total = per_case * ((args.repeats + 1) * ("unet" not in args.skip)
                         + (max(args.repeats, CHEAP_ROUNDS) + 1) * ("block" not in args.skip))
     total += (CHEAP_ROUNDS + 1) * (1 + ("tomesd" in names)) * ("overhead" not in args.skip)
-    setup = Setup(device, dtype, progress_bar(total, not args.quiet, "timing"))
-    block_rows = bench_block(args, setup) if "block" not in args.skip else []
-    unet_rows = bench_unet(args, setup) if "unet" not in args.skip else []
+    setup = Setup(device, dtype, progress_bar(total, not args.quiet))
+    block_rows = jobs.bench_block(args, setup) if "block" not in args.skip else []
+    unet_rows = jobs.bench_unet(args, setup) if "unet" not in args.skip else []
     overhead = None
     if "overhead" not in args.skip:
         setup.progress.set_postfix_str("merge overhead")
+        watch = CpuWatch()
         overhead = merge_overhead(device, dtype, CHEAP_ROUNDS, with_tomesd="tomesd" in names,
                                   on_call=lambda name: setup.progress.update())
+        setup.loads.append(("merge overhead", watch.others()))
     setup.progress.close()
     timings = []
     if block_rows:
@@ -395,12 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         theirs = peak_memory("tomesd", args.memory_size, 320, 2, dtype, device) if "tomesd" in names else None
         fmt = lambda v: f"{v / 2 ** 20:,.0f}" if v is not None else "–"  # noqa: E731
         print(f"| {fmt(ours)} | {fmt(theirs)} |")
-    busy = find_busy(timings)
-    if busy:
-        print("\n" + busy.line(steadier_hint(args)))
-    elif args.repeats < 3 and unet_rows:
-        print(f"\nNOTE: {args.repeats} round(s) per U-Net case measure no spread, so nothing here says whether the "
-              f"machine was quiet; use --repeats 3 or more for figures that can be judged.")
+    busy = finish(args, timings, setup.load(), bool(unet_rows))
     chart_rows = unet_rows or block_rows
     if args.plot and chart_rows:
         what = "U-Net step" if unet_rows else "one top transformer"
@@ -410,3 +274,17 @@ def main(argv: list[str] | None = None) -> int:
         write_chart(chart_rows, args.plot, title, f"{what} speed-up over no ToMe", busy)
         print(f"\nchart written to {args.plot}")
     return 0
+
+
+def finish(args: argparse.Namespace, timings: list, load: Load | None, judged_by_rounds: bool):
+    """Print the load line and, when the figures may be off, the one warning line; return the ``Busy``."""
+    line = load_line(load)
+    if line:
+        print("\n" + line)
+    busy = find_busy(timings, load)
+    if busy:
+        print("\n" + busy.line(steadier_hint(args)))
+    elif args.repeats < 3 and judged_by_rounds:
+        print(f"\nNOTE: {args.repeats} round(s) per U-Net case measure no spread, so nothing here says whether the "
+              f"machine was quiet; use --repeats 3 or more for figures that can be judged.")
+    return busy

@@ -14,6 +14,7 @@ GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 import warnings
@@ -23,8 +24,10 @@ import torch
 import tome_core
 
 from . import archs
-from .cli import OneLineParser, Setup, UsageError, _race, dtype_name, hardware, pick_device, top_grid
-from .contenders import Wrapped, contenders, tomesd_available
+from .archs import top_grid
+from .cli import OneLineParser, UsageError, load_line, pick_device
+from .contenders import Wrapped, contenders
+from .jobs import Setup, contender_names, dtype_name, hardware, race
 from .report import Row, find_busy, row_timings, speed_table_head, speed_table_line
 from .timing import progress_bar
 
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16  # also on the CPU, so the small run there takes the same half-precision path
     archs.use_webui_unet()
     t0 = time.time()
-    names = ["none", "ours"] + (["tomesd"] if tomesd_available() else []) + ["ideal"]
+    names = contender_names()
     print(f"# GPU check: {hardware(device)}, {dtype_name(dtype)}, SDP attention, batch 2, width {args.width:g}, "
           f"ratio {RATIO}, contenders: {', '.join(names)}\n")
     setup = Setup(device, dtype, progress_bar(len(cases) * len(names) * (args.repeats + 1), not args.quiet))
@@ -143,13 +146,17 @@ def main(argv: list[str] | None = None) -> int:
             ctx = [torch.randn(2, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
             t = torch.full((2,), 500.0, device=device)
             racers = contenders(RATIO, True, None, 2 ** archs.top_attention_level(arch))
-            setup.progress.set_postfix_str(f"{arch} {size} px")
-            ms = _race(wrapped, lambda: unet(x, t, context=ctx), racers, setup, args.repeats, budget)
+            ms = race(f"{arch} {size} px", wrapped, lambda: unet(x, t, context=ctx), racers, setup, args.repeats,
+                      budget)
             rows.append(Row(arch, size, RATIO, ms))
             print(speed_table_line(rows[-1]), flush=True)
-        del unet, wrapped
+        unet = wrapped = None  # free this model before the next one is built
+        gc.collect()
     setup.progress.close()
-    busy = find_busy(row_timings(rows, "U-Net"))
+    line = load_line(setup.load())
+    if line:
+        print("\n" + line)
+    busy = find_busy(row_timings(rows, "U-Net"), setup.load())
     if busy:
         print("\n" + busy.line(f"more rounds and a longer budget (--repeats {2 * args.repeats} --budget "
                                f"{2 * args.budget:g}), or a GPU no other process is using"))

@@ -103,38 +103,78 @@ def speed_table(rows: list[Row], title: str) -> str:
 
 
 @dataclass(frozen=True)
+class Load:
+    """How many cores other processes kept busy during one measurement (the one where they used the most)."""
+
+    label: str
+    others: float
+    cores: int
+    threads: int  # the threads this run computes with (1 on a GPU: the thread that feeds it)
+
+    @property
+    def contended(self) -> bool:
+        """Others left fewer free cores than this run has threads (with a tenth of a core of slack per thread)."""
+        return self.others > max(0, self.cores - self.threads) + 0.1 * self.threads
+
+    def summary(self) -> str:
+        return (f"other processes kept {self.others:.1f} of the {self.cores} cores busy (during {self.label}) "
+                f"while this run computed with {self.threads} thread{'s' if self.threads > 1 else ''}")
+
+
+def worst_load(loads: Iterable[tuple[str, float | None]], cores: int, threads: int) -> Load | None:
+    """The ``Load`` of the (label, cores used by others) pair with the most; None when nothing was measured."""
+    measured = [(label, others) for label, others in loads if others is not None]
+    if not measured:
+        return None
+    label, others = max(measured, key=lambda item: item[1])
+    return Load(label, others, cores, threads)
+
+
+@dataclass(frozen=True)
 class Busy:
-    """Timings whose spread between rounds exceeded the limit: how many of how many, and the worst."""
+    """Why the figures may be off: timings whose spread between rounds exceeded the limit, and other processes
+    holding cores this run needed."""
 
     over: int
     total: int
     worst_label: str
     worst: float
     limit: float
+    load: Load | None = None
 
     def summary(self) -> str:
-        return (f"{self.over} of {self.total} timings varied between rounds by more than {self.limit:.0%} of "
-                f"their median (worst: {self.worst_label}, {self.worst:.0%})")
+        parts = []
+        if self.load is not None and self.load.contended:
+            parts.append(self.load.summary())
+        if self.over:
+            parts.append(f"{self.over} of {self.total} timings varied between rounds by more than {self.limit:.0%} "
+                         f"of their median (worst: {self.worst_label}, {self.worst:.0%})")
+        return "; ".join(parts)
 
     def line(self, hint: str) -> str:
         return f"WARNING: the machine was busy: {self.summary()}, so these speed-ups may be off. For steadier " \
                f"figures: {hint}."
 
 
-def find_busy(timings: Iterable[tuple[str, Spread]], limit: float = BUSY_SPREAD) -> Busy | None:
-    """``Busy`` when any (label, spread) pair's interquartile range exceeds ``limit`` of its median."""
+def find_busy(timings: Iterable[tuple[str, Spread]], load: Load | None = None,
+              limit: float = BUSY_SPREAD) -> Busy | None:
+    """``Busy`` when any (label, spread) pair's interquartile range exceeds ``limit`` of its median, or when
+    ``load`` shows other processes holding cores this run needed; else None."""
     timings = list(timings)
     over = [(label, s.relative) for label, s in timings if s.relative > limit]
-    if not over:
+    contended = load is not None and load.contended
+    if not over and not contended:
         return None
-    label, worst = max(over, key=lambda item: item[1])
-    return Busy(len(over), len(timings), label, worst, limit)
+    label, worst = max(over, key=lambda item: item[1]) if over else ("", 0.0)
+    return Busy(len(over), len(timings), label, worst, limit, load if contended else None)
 
 
-def busy_warning(timings: Iterable[tuple[str, Spread]], hint: str, limit: float = BUSY_SPREAD) -> str | None:
-    """The one warning line for ``timings`` ((label, spread) pairs), or None when every spread is within
-    ``limit``; ``hint`` says how to get steadier figures with this command."""
-    busy = find_busy(timings, limit)
+def busy_warning(timings: Iterable[tuple[str, Spread]], hint: str, load: Load | None = None,
+                 limit: float = BUSY_SPREAD) -> str | None:
+    """The one warning line for ``timings`` ((label, spread) pairs) and ``load``, or None when every spread is
+    within ``limit`` and no other process held cores this run needed; ``hint`` says how to get steadier
+    figures with this command."""
+    busy = find_busy(timings, load, limit)
     return busy.line(hint) if busy else None
 
 

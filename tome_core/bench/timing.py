@@ -7,6 +7,7 @@ instead would let a burst of other work land on whichever ran then, and show as 
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -114,6 +115,41 @@ def interleaved_rounds(names: Sequence[str], time_one: Callable[[str], float], r
             if on_call:
                 on_call(name)
     return samples
+
+
+class CpuWatch:
+    """How many cores other processes kept busy while a measurement ran, from the kernel's CPU counters.
+
+    A steady load is invisible in the spread (every round is slowed alike) but still skews speed-ups: with
+    fewer free cores than threads, torch's many small synchronised operations (finding a merge) slow down far
+    more than its large matrix products. Linux only (``/proc/stat``); elsewhere ``others()`` is None.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        """(busy CPU seconds of the whole machine, CPU seconds of this process, wall seconds), or None."""
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        # steal: time the hypervisor gave this machine's CPUs to other guests, i.e. other work as well
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return busy, own.user + own.system, time.monotonic()
+
+    def others(self, shortest_s: float = 1.0) -> float | None:
+        """Average cores used by other processes since this watch started; None if it has run for less than
+        ``shortest_s`` (the counters tick in hundredths of a second)."""
+        end = self._sample()
+        if self._start is None or end is None or end[2] - self._start[2] < shortest_s:
+            return None
+        busy, own, wall = (e - s for e, s in zip(end, self._start))
+        return max(0.0, (busy - own) / wall)
 
 
 def spreads(samples: dict[str, list[float]]) -> dict[str, Spread]:
