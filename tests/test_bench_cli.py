@@ -131,3 +131,27 @@ def test_each_bench_module_imports_alone_without_ldm(module):
 def test_the_engine_does_not_import_its_measurement_tools():
     code = "import sys, tome_core; assert not [m for m in sys.modules if m.startswith('tome_core.bench')]"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_ldm_loads_without_pillow_and_leaves_no_stand_in_behind():
+    # A bare torch environment (the GPU check's) has no Pillow; ldm.util imports it for a helper the U-Net
+    # never calls.
+    code = """
+import sys
+class NoPillow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "PIL" or name.startswith("PIL."):
+            raise ImportError("no Pillow here")
+sys.meta_path.insert(0, NoPillow())
+from tome_core.bench import archs
+archs.require_ldm()
+import ldm.modules.diffusionmodules.openaimodel
+assert not [m for m in sys.modules if m.split(".")[0] == "PIL"]
+try:
+    import PIL
+except ImportError:
+    pass
+else:
+    raise AssertionError("a stand-in PIL stayed behind")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -63,11 +63,38 @@ def head_channels(model_channels: int, wanted: int = 64) -> int:
     return math.gcd(wanted, model_channels)
 
 
+def _import_unet_classes() -> None:
+    """Import ldm's U-Net module. ``ldm.util`` imports Pillow for a caption-drawing helper the U-Net never
+    calls; where Pillow is missing (a bare torch environment), empty stand-ins serve that import alone and are
+    taken out of ``sys.modules`` again, so any later ``import PIL`` fails as it would have."""
+    try:
+        import PIL.Image  # noqa: F401
+        import PIL.ImageDraw  # noqa: F401
+        import PIL.ImageFont  # noqa: F401
+        stand_ins = {}
+    except ImportError:
+        import types
+
+        stand_ins = {name: types.ModuleType(name) for name in ("PIL", "PIL.Image", "PIL.ImageDraw", "PIL.ImageFont")}
+        for name in ("Image", "ImageDraw", "ImageFont"):
+            setattr(stand_ins["PIL"], name, stand_ins[f"PIL.{name}"])
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)
+    try:
+        import ldm.modules.diffusionmodules.openaimodel  # noqa: F401
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
 def require_ldm() -> None:
     """Make ``ldm`` importable: installed, or the webui's own copy when this extension sits in a webui's
     ``extensions/`` folder (the webui adds it to the path only while it runs)."""
     try:
-        import ldm.modules.diffusionmodules.openaimodel  # noqa: F401
+        _import_unet_classes()
         return
     except ImportError:
         pass
@@ -80,7 +107,7 @@ def require_ldm() -> None:
         if os.path.isdir(os.path.join(candidate, "ldm")) and candidate not in sys.path:
             sys.path.insert(0, candidate)
     try:
-        import ldm.modules.diffusionmodules.openaimodel  # noqa: F401,F811
+        _import_unet_classes()
     except ImportError as error:
         raise SystemExit(f"the benchmark needs the ldm U-Net classes ({error}). Run it with the webui's Python "
                          f"from this extension's folder inside the webui, or install them: pip install "
