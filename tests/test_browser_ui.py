@@ -9,8 +9,8 @@ the page (in the webui, inputAccordion.js injects a checkbox into the accordion'
 gradio renders: the accordion under the Script's elem_id, its hidden checkbox, the controls and their events.
 The extension's ``javascript/*.js`` is injected the way the webui loads it (after its ``titles`` object).
 
-It writes ``tests/screenshots/accordion.png`` (the README's picture): the txt2img accordion open, with its
-"Advanced" panel open.
+It writes ``out/browser-accordion.png`` (git-ignored; the README's picture is taken in the real WebUI): the
+txt2img accordion open, with its "Advanced" panel open.
 
 Chromium (``/usr/bin/chromium``, or ``$TOME_CHROMIUM``) and the ``playwright`` package are required: the test
 fails, not skips, without them. Never run ``playwright install``; the system's Chromium is used.
@@ -31,7 +31,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
-SCREENSHOT = os.path.join(TESTS, "screenshots", "accordion.png")
+SCREENSHOT = os.path.join(ROOT, "out", "browser-accordion.png")
 CHROMIUM = os.environ.get("TOME_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
