@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Callable
 
 import torch
@@ -42,11 +41,10 @@ class _TinyForgeEngine:
         patches = self.forge_objects.unet.model_options["transformer_options"].get("patches", {})
         return any("merge_queries" in getattr(f, "__qualname__", "") for f in patches.get("attn1_patch", ()))
 
-    def get_learned_conditioning(self, prompts: list[str], tokens: int = 8) -> torch.Tensor:
-        from webui_double.model import CONTEXT_DIM
+    def get_learned_conditioning(self, prompts: list[str]) -> torch.Tensor:
+        from webui_double.model import text_conditioning
 
-        return torch.stack([torch.randn(tokens, CONTEXT_DIM, generator=torch.Generator().manual_seed(
-            zlib.crc32(prompt.encode()))) for prompt in prompts])
+        return text_conditioning(prompts)
 
     def apply_model(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         for observer in list(self.observers):

@@ -39,6 +39,12 @@ def tiny_unet(seed: int = 0, layout: str = "sd1") -> nn.Module:
     return unet.eval()
 
 
+def text_conditioning(prompts: list[str], tokens: int = 8) -> torch.Tensor:
+    """Text conditioning stand-in: a fixed (tokens, CONTEXT_DIM) tensor per prompt."""
+    return torch.stack([torch.randn(tokens, CONTEXT_DIM, generator=torch.Generator().manual_seed(
+        zlib.crc32(prompt.encode()))) for prompt in prompts])
+
+
 class DiffusionWrapper(nn.Module):
     def __init__(self, unet: nn.Module) -> None:
         super().__init__()
@@ -72,10 +78,8 @@ class TinySDModel(nn.Module):
         """The webui's built-in (tomesd) patch is on."""
         return any(type(m).__name__ == "ToMeBlock" for m in self.modules())
 
-    def get_learned_conditioning(self, prompts: list[str], tokens: int = 8) -> torch.Tensor:
-        """Text conditioning stand-in: a fixed tensor per prompt."""
-        return torch.stack([torch.randn(tokens, CONTEXT_DIM, generator=torch.Generator().manual_seed(
-            zlib.crc32(prompt.encode()))) for prompt in prompts])
+    def get_learned_conditioning(self, prompts: list[str]) -> torch.Tensor:
+        return text_conditioning(prompts)
 
     def apply_model(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         for observer in list(self.observers):

@@ -64,7 +64,7 @@ class Host:
 
         patch = tome_core.get_patch(model.unet)
         self.calls.append(UnetCall(
-            model=model, hr=bool(processing.current_p.is_hr_pass), shape=tuple(x.shape),
+            model=model, hr=bool(processing.current_job().is_hr_pass), shape=tuple(x.shape),
             options=None if patch is None else patch.options, progress=None if patch is None else patch.progress,
             builtin=model.builtin_token_merging_on(),
             levels=frozenset() if patch is None else frozenset(r.level for r in patch.selected)))

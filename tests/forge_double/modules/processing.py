@@ -7,28 +7,20 @@
   between the reset and ``process_before_every_sampling``; there is no job-wide built-in patch.
 - In the hires pass, ``process_before_every_sampling`` runs twice: before the reset (its patcher changes are
   lost) and after it.
-- Models are (re)loaded with ``forge_model_reload``: at the job's start, at each batch, and for the refiner.
+- Models are (re)loaded with ``forge_model_reload`` (``sd_models``): at the job's start, at each batch, and
+  for the refiner.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
+import torch.nn.functional as F
 
-from modules import sd_models, shared
-from modules.shared import opts
+from modules import load_a1111, sd_models
 
-_spec = importlib.util.spec_from_file_location(
-    "modules._a1111_processing",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "webui_double",
-                 "modules", "processing.py"))
-_a1111 = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_a1111)
+_a1111 = load_a1111("processing")
 
 from modules._a1111_processing import *  # noqa: E402,F401,F403  (what Forge keeps as it is)
-
-current_p = None
+from modules._a1111_processing import create_sampler  # noqa: E402
 
 
 def apply_token_merging(sd_model, ratio: float) -> None:
@@ -45,11 +37,19 @@ def fresh_pass(p, ratio: float) -> None:
     apply_token_merging(p.sd_model, ratio)
 
 
-class StableDiffusionProcessingTxt2Img(_a1111.StableDiffusionProcessingTxt2Img):
+class ForgeJob:
+    """What Forge changes in every job, whatever its kind."""
+
     def before_batch(self) -> None:
         sd_models.forge_model_reload()
         self.sd_model.forge_objects = self.sd_model.forge_objects_original.shallow_copy()
         self.sd_model.forge_objects = self.sd_model.forge_objects_after_applying_lora.shallow_copy()
+
+    def job_token_merging(self, ratio: float) -> None:
+        """None for the whole job: Forge applies its built-in per sampling pass (``fresh_pass``)."""
+
+
+class StableDiffusionProcessingTxt2Img(ForgeJob, _a1111.StableDiffusionProcessingTxt2Img):
 
     def sample(self, conditioning, unconditional_conditioning, seeds, subseeds, subseed_strength, prompts):
         sampler = create_sampler(self.sampler_name)
@@ -64,8 +64,6 @@ class StableDiffusionProcessingTxt2Img(_a1111.StableDiffusionProcessingTxt2Img):
         return self.sample_hr_pass(samples)
 
     def sample_hr_pass(self, samples):
-        import torch.nn.functional as F
-
         self.is_hr_pass = True
         target = (self.hr_upscale_to_y // 8, self.hr_upscale_to_x // 8)
         samples = F.interpolate(samples, size=target, mode="nearest")
@@ -83,9 +81,7 @@ class StableDiffusionProcessingTxt2Img(_a1111.StableDiffusionProcessingTxt2Img):
         return samples
 
 
-class StableDiffusionProcessingImg2Img(_a1111.StableDiffusionProcessingImg2Img):
-    before_batch = StableDiffusionProcessingTxt2Img.before_batch
-
+class StableDiffusionProcessingImg2Img(ForgeJob, _a1111.StableDiffusionProcessingImg2Img):
     def sample(self, conditioning, unconditional_conditioning, seeds, subseeds, subseed_strength, prompts):
         sampler = create_sampler(self.sampler_name)
         noise = self.noise(*self.init_latent.shape[-2:])
@@ -95,20 +91,3 @@ class StableDiffusionProcessingImg2Img(_a1111.StableDiffusionProcessingImg2Img):
                                                        uc=unconditional_conditioning)
         return sampler.sample_img2img(self, self.init_latent, noise, conditioning, unconditional_conditioning)
 
-
-def process_images(p) -> Processed:
-    global current_p
-    current_p = p
-    if p.scripts is not None:
-        p.scripts.before_process(p)
-    stored = {k: opts.data[k] for k in p.override_settings if k in opts.data}
-    try:
-        for key, value in p.override_settings.items():
-            opts.set(key, value, is_api=True, run_callbacks=False)
-        sd_models.forge_model_reload()
-        return _a1111.process_images_inner(p)
-    finally:
-        if p.override_settings_restore_afterwards:
-            for key, value in stored.items():
-                opts.set(key, value)
-        current_p = None

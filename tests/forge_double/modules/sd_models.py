@@ -5,19 +5,11 @@ keeps it."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from typing import Any
 
-from modules import shared
+from modules import load_a1111, shared
 
-_spec = importlib.util.spec_from_file_location(
-    "modules._a1111_sd_models",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "webui_double",
-                 "modules", "sd_models.py"))
-_a1111 = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_a1111)
+_a1111 = load_a1111("sd_models")
 
 from modules._a1111_sd_models import *  # noqa: E402,F401,F403  (what Forge keeps as it is)
 

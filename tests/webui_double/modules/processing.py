@@ -129,6 +129,10 @@ class StableDiffusionProcessing:
         """At the start of each batch of the batch count: the base model back (the refiner may be loaded)."""
         sd_models.reload_model_weights()
 
+    def job_token_merging(self, ratio: float) -> None:
+        """The built-in token merging for the whole job (0: off), set at its start and removed at its end."""
+        apply_token_merging(self.sd_model, ratio)
+
     def setup_conds(self) -> None:
         self.c = self.sd_model.get_learned_conditioning(self.prompts)
         self.uc = self.sd_model.get_learned_conditioning(self.negative_prompts)
@@ -431,6 +435,11 @@ def fix_seed(p) -> None:
         p.seed = int(torch.randint(0, 2**32 - 1, ()).item())
 
 
+def current_job():
+    """The job being processed (double only)."""
+    return current_p
+
+
 def process_images(p) -> Processed:
     global current_p
     current_p = p
@@ -441,10 +450,10 @@ def process_images(p) -> Processed:
         for key, value in p.override_settings.items():
             opts.set(key, value, is_api=True, run_callbacks=False)
         sd_models.reload_model_weights()  # the base model back, should the last job have ended on the refiner
-        apply_token_merging(p.sd_model, p.get_token_merging_ratio())
+        p.job_token_merging(p.get_token_merging_ratio())
         return process_images_inner(p)
     finally:
-        apply_token_merging(p.sd_model, 0)
+        p.job_token_merging(0)
         if p.override_settings_restore_afterwards:
             for key, value in stored.items():
                 opts.set(key, value)
