@@ -270,11 +270,11 @@ def test_each_block_draws_its_own_partition(monkeypatch):
 
     unet = tiny_unet("sd1")
     x, t, c = inputs()
-    drawn = []
-    original = patch_module.partition
-    monkeypatch.setattr(patch_module, "partition",
-                        lambda h, w, sx, sy, choice, idt: drawn.append(choice.clone()) or
-                        original(h, w, sx, sy, choice, idt))
+    drawn = []  # the destinations each block's merge plan is built on, in call order
+    original = patch_module.plan_merge
+    monkeypatch.setattr(patch_module, "plan_merge",
+                        lambda metric, src, dst, r, chunk: drawn.append(dst.clone()) or
+                        original(metric, src, dst, r, chunk))
     tome_core.apply_patch(unet, ratio=0.5, seed=3)
     run(unet, x, t, c)
     run(unet, x, t, c)

@@ -47,20 +47,27 @@ def timestep_words(timestep: torch.Tensor | float | None, device: torch.device) 
     return t.view(torch.int32)
 
 
-def cell_choices(host: int, tbits: torch.Tensor, num_cells: int, cell_size: int) -> torch.Tensor:
-    """For each cell, which of its ``cell_size`` positions is the destination: int32 (num_cells,)."""
+def cell_choices(host: int | torch.Tensor, tbits: torch.Tensor, num_cells: int, cell_size: int) -> torch.Tensor:
+    """For each cell, which of its ``cell_size`` positions is the destination: int32 (num_cells,).
+
+    ``host`` may also be an int32 tensor (K,) of keys on ``tbits``' device (the blocks of one U-Net call);
+    the result is then (K, num_cells), row k equal to the choices for key k, in one pass of tensor ops.
+    """
     lo = torch.remainder(tbits, 32768)
     hi = torch.remainder(torch.div(tbits, 32768, rounding_mode="floor"), _P)
-    key = _mix(_mix(torch.full_like(lo, host), lo), hi)
-    cells = _cell_arange(num_cells, tbits.device)
-    v = _mix(_mix(key, torch.remainder(cells, _P)), torch.div(cells, _P, rounding_mode="floor"))
+    start = host[:, None] if isinstance(host, torch.Tensor) else torch.full_like(lo, host)
+    key = _mix(_mix(start, lo), hi)
+    low, high = _cell_words(num_cells, tbits.device)
+    v = _mix(_mix(key, low), high)
     v = _mix(v, 1)  # one more round so neighbouring cells decorrelate
     return torch.remainder(v, cell_size)
 
 
 @lru_cache(maxsize=64)
-def _cell_arange(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device)
+def _cell_words(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cell numbers 0..n-1 as two residues (n % _P, n // _P), int32 (n,) each."""
+    cells = torch.arange(n, dtype=torch.int32, device=device)
+    return torch.remainder(cells, _P), torch.div(cells, _P, rounding_mode="floor")
 
 
 @lru_cache(maxsize=256)
@@ -92,14 +99,15 @@ def partition(h: int, w: int, sx: int, sy: int, choice: torch.Tensor, index_dtyp
     """Token positions (row-major on the h×w grid) of sources and destinations.
 
     Args:
-        choice: int32 (num_cells,), the destination slot of each cell, row-major within the cell.
+        choice: int32 (num_cells,), the destination slot of each cell, row-major within the cell; or
+            (K, num_cells) for K partitions at once.
     Returns:
-        src (N - num_cells,) and dst (num_cells,), both of ``index_dtype``.
+        src (N - num_cells,) and dst (num_cells,), both of ``index_dtype``; (K, ·) each for a (K, ·) choice.
     """
     origin, slots, leftover = _grid_layout(h, w, sx, sy, choice.device)
     dst = origin + torch.div(choice, sx, rounding_mode="floor") * w + torch.remainder(choice, sx)
     # Source slot j of a cell is its j-th position skipping the destination: no sort needed.
-    q = slots[None, :] + (slots[None, :] >= choice[:, None]).to(torch.int32)
+    q = slots + (slots >= choice[..., None]).to(torch.int32)
     src_cells = origin[:, None] + torch.div(q, sx, rounding_mode="floor") * w + torch.remainder(q, sx)
-    src = torch.cat([src_cells.reshape(-1), leftover])
+    src = torch.cat([src_cells.flatten(-2), leftover.expand(*choice.shape[:-1], -1)], dim=-1)
     return src.to(index_dtype), dst.to(index_dtype)

@@ -32,7 +32,7 @@ _TODO = object()  # plan marker: this block call downsamples keys/values
 
 
 class _BlockRecord:
-    __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key")
+    __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key", "row")
 
     def __init__(self, name: str, index: int, level: int, module: nn.Module) -> None:
         self.name, self.index, self.level, self.module = name, index, level, module
@@ -41,6 +41,7 @@ class _BlockRecord:
         self.grid: tuple[int, int] | None = None
         self.plan: MergePlan | object | None = None
         self.key = 0
+        self.row = 0  # its place among the selected blocks: its row of a call's random partitions
 
 
 def _is_transformer(module: nn.Module) -> bool:
@@ -111,6 +112,9 @@ class TokenMergePatch:
         self.progress: float | None = None
         self.timestep: torch.Tensor | float | None = None
         self._tbits: torch.Tensor | None = None
+        # This U-Net call's random partitions, (src, dst) of every selected block, by (grid, device, dtype).
+        self._partitions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._keys: dict[torch.device, torch.Tensor] = {}
         self._handles: list = []
         self.records: list[_BlockRecord] = []
         self.selected: list[_BlockRecord] = []
@@ -133,6 +137,7 @@ class TokenMergePatch:
             wanted = {lv for lv in levels if 2 ** lv <= options.max_downsample}
         for rec, (_, t, *_) in zip(self.records, blocks):
             if rec.level in wanted:
+                rec.row = len(self.selected)
                 self.selected.append(rec)
                 self._grid_sources.setdefault(id(t), (t, []))[1].append(rec)
 
@@ -176,11 +181,28 @@ class TokenMergePatch:
     def _record_timestep(self, module, args, kwargs):
         self.timestep = args[1] if len(args) > 1 else kwargs.get("timesteps")
         self._tbits = None
+        self._partitions.clear()
 
     def timestep_bits(self, device: torch.device) -> torch.Tensor:
         if self._tbits is None or self._tbits.device != device:
             self._tbits = timestep_words(self.timestep, device)
         return self._tbits
+
+    def random_partitions(self, h: int, w: int, device: torch.device, idt: torch.dtype):
+        """(src, dst) of every selected block on an h×w grid for this U-Net call, (K, ·) each, row k for
+        selected block k. Made at the first block that needs them, in one pass of tensor ops for all blocks:
+        on a GPU, per-block tensor ops would cost host time that the step waits on."""
+        cache_key = (h, w, device, idt)
+        found = self._partitions.get(cache_key)
+        if found is None:
+            o = self.options
+            keys = self._keys.get(device)
+            if keys is None:
+                keys = self._keys[device] = torch.tensor([r.key for r in self.selected], dtype=torch.int32,
+                                                         device=device)
+            choice = cell_choices(keys, self.timestep_bits(device), (h // o.sy) * (w // o.sx), o.sx * o.sy)
+            found = self._partitions[cache_key] = partition(h, w, o.sx, o.sy, choice, idt)
+        return found
 
     def make_plan(self, rec: _BlockRecord, x: torch.Tensor):
         o = self.options
@@ -198,8 +220,8 @@ class TokenMergePatch:
             return None
         idt = o.index_dtype or default_index_dtype(x.device)
         if o.use_rand:
-            choice = cell_choices(rec.key, self.timestep_bits(x.device), cells, o.sx * o.sy)
-            src, dst = partition(h, w, o.sx, o.sy, choice, idt)
+            src, dst = self.random_partitions(h, w, x.device, idt)
+            src, dst = src[rec.row], dst[rec.row]
         else:
             src, dst = fixed_partition(h, w, o.sx, o.sy, x.device, idt)
         return plan_merge(x, src, dst, r, o.score_chunk_elements or default_score_chunk(x.device))
