@@ -60,6 +60,7 @@ def _refused(capsys, main, argv, expected):
     (["--threads", "0"], "--threads 0: at least 1 is needed"),
     (["--memory-size", "100"], "--memory-size 100"),
     (["--device", "tpu9"], "--device tpu9: not a device name torch knows"),
+    (["--plot", "/no/such/folder/speedup.png"], "--plot /no/such/folder/speedup.png: no folder /no/such/folder"),
     (["--models", "sd3"], "argument --models: invalid choice: 'sd3'"),
     (["--repeats", "three"], "argument --repeats: invalid int value: 'three'"),
 ])
@@ -71,6 +72,11 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys, nothing_is_timed, argv, e
 def test_cuda_without_cuda_is_refused(capsys, nothing_is_timed):
     _refused(capsys, cli.main, ["--device", "cuda"], "--device cuda: this torch")
     _refused(capsys, gpucheck.main, [], "the GPU check needs CUDA")
+
+
+def test_a_chart_without_matplotlib_is_refused_before_timing(capsys, monkeypatch, nothing_is_timed, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes "import matplotlib" fail
+    _refused(capsys, cli.main, ["--plot", str(tmp_path / "speedup.png")], "the chart needs matplotlib")
 
 
 def test_gpucheck_arguments_are_checked(capsys, nothing_is_timed):

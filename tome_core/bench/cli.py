@@ -122,6 +122,15 @@ def check_args(args: argparse.Namespace) -> None:
     for size in args.sizes or []:
         if size <= 0 or size % 8:
             raise UsageError(f"--sizes {size}: image sizes must be positive multiples of 8 px")
+    if args.plot is not None:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--plot {args.plot}: no folder {folder} to write it in")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(f"--plot {args.plot}: the chart needs matplotlib, which this Python lacks "
+                             f"(pip install matplotlib, or leave --plot out)") from None
     if args.checkpoint is not None:
         if not os.path.isfile(args.checkpoint):
             raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
