@@ -82,11 +82,12 @@ def test_an_unsupported_refiner_runs_unmerged_and_the_infotext_says_so(fresh, ca
 
 
 @pytest.mark.parametrize("refiner_pass, switched", [
-    # Hires fix with the refiner: in which passes the switch happens (the webui's setting).
-    # Once switched, the refiner stays for the rest of the job's batch.
-    ("first pass", [False, False, True, True] + [True] * 3),
-    ("second pass", [False] * 4 + [False, False, True]),
-    ("both passes", [False, False, True, True] + [True] * 3),
+    # Hires fix with the refiner: in which passes the switch happens (the webui's setting). The A1111 webui
+    # starts the hires pass on the base model again; Forge goes on with the model the first pass ended on.
+    ("first pass", {"a1111": [False, False, True, True] + [False] * 3, "forge": [False, False, True, True] + [True] * 3}),
+    ("second pass", {"a1111": [False] * 4 + [False, False, True], "forge": [False] * 4 + [False, False, True]}),
+    ("both passes", {"a1111": [False, False, True, True] + [False, False, True],
+                     "forge": [False, False, True, True] + [True] * 3}),
 ])
 def test_hires_fix_with_the_refiner_merges_every_step_with_each_pass_ratio(fresh, refiner_pass, switched):
     from modules import shared
@@ -97,10 +98,11 @@ def test_hires_fix_with_the_refiner_merges_every_step_with_each_pass_ratio(fresh
                               enable_hr=True, hr_second_pass_steps=3, denoising_strength=0.7,
                               refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
     calls = fresh.calls
-    # 4 first-pass evaluations, then int(0.7 * 3) + 1 = 3 in the hires pass; a switched pass stays switched.
+    # 4 first-pass evaluations, then int(0.7 * 3) + 1 = 3 in the hires pass.
     assert [c.hr for c in calls] == [False] * 4 + [True] * 3
-    assert [c.model is other for c in calls] == switched
+    assert [c.model is other for c in calls] == switched[fresh.flavour]
     assert [c.options.ratio for c in calls] == [0.4] * 4 + [0.6] * 3
+    assert [c.levels for c in calls] == [{1} if c.model is other else {0} for c in calls]
     assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe hr ratio": "0.6"}
     assert_unpatched(other)
 

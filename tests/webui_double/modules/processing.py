@@ -13,8 +13,8 @@ included.
 The refiner: before each evaluation (before the ``on_cfg_denoiser`` callbacks), once the pass has done
 ``refiner_switch_at`` of its evaluations, the denoiser loads the refiner checkpoint with
 ``sd_models.reload_model_weights`` (in the pass the ``hires_fix_refiner_pass`` setting names, with hires fix),
-which makes a new ``shared.sd_model`` when its config differs; each batch and each job start by loading the
-base checkpoint back.
+which makes a new ``shared.sd_model`` when its config differs; each batch, each job and the hires pass start
+by loading the base checkpoint back.
 
 The U-Net is called once per model evaluation with cond and uncond batched (two calls when
 ``batch_cond_uncond`` is off); the samplers keep the webui's evaluation counts: Euler one per step, Heun two
@@ -178,6 +178,7 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         samples = sampler.sample(self, x, conditioning, unconditional_conditioning)
         if not self.enable_hr:
             return samples
+        sd_models.reload_model_weights()  # the hires pass starts on the base model (a refiner may be loaded)
         return self.sample_hr_pass(samples)
 
     def sample_hr_pass(self, samples: torch.Tensor) -> torch.Tensor:
