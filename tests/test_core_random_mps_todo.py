@@ -277,3 +277,34 @@ def test_unknown_option_and_bad_models():
     with pytest.raises(ValueError, match="no ldm/sgm transformer blocks"):
         tome_core.apply_patch(mmdit)
     assert hook_counts(mmdit) == {} and not tome_core.is_patched(mmdit)
+
+
+class PositionalContextBlock(torch.nn.Module):
+    """A block that hands self-attention its context positionally, as None (ldm's signature allows it)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.attn1, self.attn2, self.ff = inner.attn1, inner.attn2, inner.ff
+        self.norm1, self.norm2, self.norm3 = inner.norm1, inner.norm2, inner.norm3
+
+    def forward(self, x, context=None):
+        x = self.attn1(self.norm1(x), None) + x
+        x = self.attn2(self.norm2(x), context) + x
+        return self.ff(self.norm3(x)) + x
+
+
+@pytest.mark.parametrize("options", [dict(method="todo"), dict(ratio=0.5), dict(ratio=0.5, use_rand=False)])
+def test_a_positional_none_context_gives_what_the_keyword_call_gives(options):
+    """The patch must pass keys and values where the caller passed them, not add a second ``context``."""
+    unet = tiny_unet("sd1")
+    transformer = unet.input_blocks[1][1]
+    x = torch.randn(2, 32, 16, 16)
+    c = torch.randn(2, 7, 24)
+    tome_core.apply_patch(transformer, **options)
+    with torch.no_grad():
+        by_keyword = transformer(x, context=c)
+        transformer.transformer_blocks[0] = PositionalContextBlock(transformer.transformer_blocks[0])
+        tome_core.apply_patch(transformer, **options)
+        positional = transformer(x, context=c)
+    torch.testing.assert_close(positional, by_keyword)

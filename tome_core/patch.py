@@ -273,6 +273,14 @@ def _slot(args, kwargs, index: int | None, name: str):
     return args[index] if index is not None and len(args) > index else kwargs.get(name)
 
 
+def _set_slot(args: list, kwargs: dict, index: int | None, name: str, value) -> None:
+    """Pass ``value`` where the caller passed that argument (by position or keyword), else by keyword."""
+    if index is not None and len(args) > index:
+        args[index] = value
+    else:
+        kwargs[name] = value
+
+
 def _per_token(t, x: torch.Tensor) -> bool:
     """``t`` holds one row per token of ``x`` (so a merge plan or the token grid applies to it)."""
     return isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] == x.shape[:2]
@@ -288,10 +296,7 @@ def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict) -
             continue
         if id(t) not in done:
             done[id(t)] = fn(t)
-        if index is not None and len(args) > index:
-            args[index] = done[id(t)]
-        else:
-            kwargs[name] = done[id(t)]
+        _set_slot(args, kwargs, index, name, done[id(t)])
 
 
 def _merger(rec: _BlockRecord, self_attention: bool):
@@ -302,10 +307,7 @@ def _merger(rec: _BlockRecord, self_attention: bool):
         x = _first_arg(args, kwargs, "x")
         done = {id(x): plan.merge(x)}
         args, kwargs = list(args), dict(kwargs)
-        if args:
-            args[0] = done[id(x)]
-        else:
-            kwargs["x"] = done[id(x)]
+        _set_slot(args, kwargs, 0, "x", done[id(x)])
         if self_attention:
             _map_kv_sources(args, kwargs, x, plan.merge, done)
         return tuple(args), kwargs
@@ -334,7 +336,7 @@ def _kv_downsampler(rec: _BlockRecord, options: MergeOptions):
 
         args, kwargs = list(args), dict(kwargs)
         if _slot(args, kwargs, *_KV_SLOTS[0]) is None:  # keys and values would come from x itself
-            kwargs["context"] = downsample(x)
+            _set_slot(args, kwargs, *_KV_SLOTS[0], downsample(x))
         else:
             _map_kv_sources(args, kwargs, x, downsample, {})
         return tuple(args), kwargs
