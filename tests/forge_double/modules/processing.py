@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from modules import load_a1111, sd_models
 
 _a1111 = load_a1111("processing")
@@ -50,7 +48,6 @@ class ForgeJob:
 
 
 class StableDiffusionProcessingTxt2Img(ForgeJob, _a1111.StableDiffusionProcessingTxt2Img):
-
     def sample(self, conditioning, unconditional_conditioning, seeds, subseeds, subseed_strength, prompts):
         sampler = create_sampler(self.sampler_name)
         x = self.noise(self.height // 8, self.width // 8)
@@ -64,11 +61,7 @@ class StableDiffusionProcessingTxt2Img(ForgeJob, _a1111.StableDiffusionProcessin
         return self.sample_hr_pass(samples)
 
     def sample_hr_pass(self, samples):
-        self.is_hr_pass = True
-        target = (self.hr_upscale_to_y // 8, self.hr_upscale_to_x // 8)
-        samples = F.interpolate(samples, size=target, mode="nearest")
-        sampler = create_sampler(self.hr_sampler_name or self.sampler_name)
-        noise = self.noise(*target, salt=1)
+        samples, sampler, noise = self.start_hr_pass(samples)
         if self.scripts is not None:
             self.scripts.before_hr(self)
             self.scripts.process_before_every_sampling(self, x=samples, noise=noise, c=self.c, uc=self.uc)

@@ -181,12 +181,15 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         sd_models.reload_model_weights()  # the hires pass starts on the base model (a refiner may be loaded)
         return self.sample_hr_pass(samples)
 
-    def sample_hr_pass(self, samples: torch.Tensor) -> torch.Tensor:
+    def start_hr_pass(self, samples: torch.Tensor):
+        """The hires pass's upscaled latent, sampler and noise."""
         self.is_hr_pass = True
         target = (self.hr_upscale_to_y // 8, self.hr_upscale_to_x // 8)
         samples = F.interpolate(samples, size=target, mode="nearest")
-        sampler = create_sampler(self.hr_sampler_name or self.sampler_name)
-        noise = self.noise(*target, salt=1)
+        return samples, create_sampler(self.hr_sampler_name or self.sampler_name), self.noise(*target, salt=1)
+
+    def sample_hr_pass(self, samples: torch.Tensor) -> torch.Tensor:
+        samples, sampler, noise = self.start_hr_pass(samples)
         apply_token_merging(self.sd_model, self.get_token_merging_ratio(for_hr=True))
         if self.scripts is not None:
             self.scripts.before_hr(self)
