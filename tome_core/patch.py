@@ -32,7 +32,8 @@ _TODO = object()  # plan marker: this block call downsamples keys/values
 
 
 class _BlockRecord:
-    __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key", "row")
+    __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key", "row", "layout",
+                 "used")
 
     def __init__(self, name: str, index: int, level: int, module: nn.Module) -> None:
         self.name, self.index, self.level, self.module = name, index, level, module
@@ -40,6 +41,10 @@ class _BlockRecord:
         self.self_attention = not getattr(module, "disable_self_attn", False)
         self.grid: tuple[int, int] | None = None
         self.plan: MergePlan | object | None = None
+        # (batch, tokens) of the block input the plan was made for: an attention call on anything else (a
+        # subset of the batch, tiled tokens) runs as it would unpatched.
+        self.layout: tuple[int, int] = (0, 0)
+        self.used = False  # the plan reached at least one attention or MLP call of this block call
         self.key = 0
         self.row = 0  # its place among the selected blocks: its row of a call's random partitions
 
@@ -116,6 +121,11 @@ class TokenMergePatch:
         self._partitions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._handles: list = []
+        # Block calls whose plan no attention call could use, and attention calls run unmerged because their
+        # input was not laid out as the plan's (other extensions reshaping or splitting the tokens, an attn1
+        # replacement): the host tells the user once per job.
+        self.unmerged_calls = 0
+        self.unused_plans = 0
         self.records: list[_BlockRecord] = []
         self.selected: list[_BlockRecord] = []
 
@@ -155,15 +165,17 @@ class TokenMergePatch:
             rec.key = host_key(seed, rec.index)
             blk = rec.module
             hook(blk.register_forward_pre_hook(_plan_maker(self, rec), with_kwargs=True))
-            hook(blk.register_forward_hook(_plan_dropper(rec)))
+            hook(blk.register_forward_hook(_plan_dropper(self, rec)))
             if o.method == "todo":
-                hook(blk.attn1.register_forward_pre_hook(_kv_downsampler(rec, o), with_kwargs=True))
+                hook(blk.attn1.register_forward_pre_hook(_kv_downsampler(self, rec, o), with_kwargs=True))
                 continue
             for wanted, sub, self_attention in ((o.merge_attn, blk.attn1, rec.self_attention),
                                                 (o.merge_crossattn, blk.attn2, False), (o.merge_mlp, blk.ff, False)):
                 if wanted:
-                    hook(sub.register_forward_pre_hook(_merger(rec, self_attention), with_kwargs=True))
-                    hook(sub.register_forward_hook(_unmerger(rec)))
+                    merged_calls: list[bool] = []  # this module's calls under way: merged or not
+                    hook(sub.register_forward_pre_hook(_merger(self, rec, self_attention, merged_calls),
+                                                       with_kwargs=True))
+                    hook(sub.register_forward_hook(_unmerger(rec, merged_calls)))
 
     def _hook(self, handle) -> None:
         self._handles.append(handle)
@@ -213,7 +225,7 @@ class TokenMergePatch:
         if tokens != h * w:
             return None
         if o.method == "todo":
-            return _TODO if o.todo_factor > 1 else None
+            return _TODO if o.todo_factor > 1 and rec.self_attention else None
         r = int(tokens * o.ratio)
         cells = (h // o.sy) * (w // o.sx)
         if r <= 0 or cells == 0:
@@ -253,14 +265,25 @@ def _grid_recorder(recs: list[_BlockRecord]):
 
 def _plan_maker(patch: TokenMergePatch, rec: _BlockRecord):
     def hook(module, args, kwargs):
-        rec.plan = patch.make_plan(rec, _first_arg(args, kwargs, "x"))
+        x = _first_arg(args, kwargs, "x")
+        rec.plan = patch.make_plan(rec, x)
+        rec.used = False
+        if rec.plan is not None:
+            rec.layout = (int(x.shape[0]), int(x.shape[1]))
     return hook
 
 
-def _plan_dropper(rec: _BlockRecord):
+def _plan_dropper(patch: TokenMergePatch, rec: _BlockRecord):
     def hook(module, args, output):
+        if rec.plan is not None and not rec.used:
+            patch.unused_plans += 1
         rec.plan = None
     return hook
+
+
+def _fits(rec: _BlockRecord, x) -> bool:
+    """``x`` is laid out as the block input the plan was made for: same batch rows, same tokens."""
+    return isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[0], x.shape[1]) == rec.layout
 
 
 # Where the keys' and values' source of an attention call can be: ldm and sgm call self-attention with
@@ -299,12 +322,21 @@ def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict) -
         _set_slot(args, kwargs, index, name, done[id(t)])
 
 
-def _merger(rec: _BlockRecord, self_attention: bool):
+def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, merged_calls: list[bool]):
     def hook(module, args, kwargs):
         plan = rec.plan
         if plan is None or plan is _TODO:
+            merged_calls.append(False)
             return None
         x = _first_arg(args, kwargs, "x")
+        if not _fits(rec, x):
+            # Called on rows or tokens the plan was not made for (ControlNet's reference mode attends with the
+            # unconditional rows alone, HyperTile tiles the tokens): exact attention on that input.
+            patch.unmerged_calls += 1
+            merged_calls.append(False)
+            return None
+        rec.used = True
+        merged_calls.append(True)
         done = {id(x): plan.merge(x)}
         args, kwargs = list(args), dict(kwargs)
         _set_slot(args, kwargs, 0, "x", done[id(x)])
@@ -314,21 +346,26 @@ def _merger(rec: _BlockRecord, self_attention: bool):
     return hook
 
 
-def _unmerger(rec: _BlockRecord):
+def _unmerger(rec: _BlockRecord, merged_calls: list[bool]):
     def hook(module, args, output):
-        plan = rec.plan
-        if plan is None or plan is _TODO:
+        # The call that ends now is the innermost one under way (a module's calls nest, never interleave).
+        merged = merged_calls.pop() if merged_calls else False
+        if not merged or rec.plan is None or rec.plan is _TODO:
             return None
-        return plan.unmerge(output)
+        return rec.plan.unmerge(output)
     return hook
 
 
-def _kv_downsampler(rec: _BlockRecord, options: MergeOptions):
+def _kv_downsampler(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions):
     """Self-attention's keys and values from the downsampled token grid; queries stay whole."""
     def hook(module, args, kwargs):
         if rec.plan is not _TODO or not rec.self_attention:
             return None
         x = _first_arg(args, kwargs, "x")
+        if not _fits(rec, x):  # see _merger: exact attention on an input the block's grid does not describe
+            patch.unmerged_calls += 1
+            return None
+        rec.used = True
         h, w = rec.grid
 
         def downsample(t: torch.Tensor) -> torch.Tensor:
