@@ -9,6 +9,13 @@
   the patcher's own patch points (FreeU, HRFix, PAG, SAG, LoRA): those run inside the blocks we hook, and
   our attention hooks merge whatever key/value source Forge's patches hand to attention.
 
+- **reForge and Forge Classic** (the "old Forge" backend, gradio 3.41): ``shared.sd_model`` is an ldm
+  ``LatentDiffusion`` shell that also carries ``forge_objects``; ``sd_model.model.diffusion_model`` and
+  ``forge_objects.unet.model.diffusion_model`` are one ``ldm_patched`` U-Net (ComfyUI's, with ldm's class
+  names and Forge's patch points). As in Forge, the patcher is copied per pass and the module tree stays, so
+  the same forward hooks serve. An ``attn1`` entry in ``patches_replace`` makes a block call attn1's
+  projections itself, so no hook on attn1 runs there: that block is computed whole (the engine counts it).
+
 Everything else the extension uses (Script hooks, the built-in token-merging settings, infotext, X/Y/Z
 plot, the API) is the same in both. This file holds no state: the webui also loads it as a script module.
 """
@@ -20,6 +27,30 @@ from typing import Any
 from torch import nn
 
 from modules import sd_unet
+
+
+# Where the A1111 webui's built-in Hypertile (extensions-builtin/hypertile) keeps a layer's settings: it wraps
+# the layer's forward and tiles whatever sequence it is handed as if it were the image's token grid.
+HYPERTILE_PARAMS = "__webui_hypertile_params"
+
+
+def set_aside_hypertile(attention_modules: list[nn.Module]) -> list[Any]:
+    """Turn the built-in Hypertile off on these self-attention layers, where ToMe hands it merged tokens
+    (it would cut them into tiles of the wrong grid; with ToDo, its tiled queries would meet whole keys).
+    Returns the settings turned off, for ``restore_hypertile``; Hypertile's own hooks set them afresh for
+    every job and hires pass anyway."""
+    turned_off = []
+    for module in attention_modules:
+        params = getattr(module, HYPERTILE_PARAMS, None)
+        if params is not None and getattr(params, "enabled", False):
+            params.enabled = False
+            turned_off.append(params)
+    return turned_off
+
+
+def restore_hypertile(turned_off: list[Any]) -> None:
+    for params in turned_off:
+        params.enabled = True
 
 
 class Host:
@@ -45,8 +76,12 @@ class Host:
             return f"{type(model).__name__} has no U-Net where {self.name} keeps it"
         module = type(unet).__module__
         if not any(module == known or module.startswith(known + ".") for known in self.unet_modules):
-            return (f"{type(model).__name__}'s denoiser ({module}.{type(unet).__name__}) is not a U-Net with "
-                    f"transformer blocks (Flux, SD3 and other transformer-only models have none to merge)")
+            denoiser = f"{type(model).__name__}'s denoiser ({module}.{type(unet).__name__})"
+            if not any(type(m).__name__ == "SpatialTransformer" for m in unet.modules()):
+                return (f"{denoiser} is not a U-Net with transformer blocks (Flux, SD3 and other "
+                        f"transformer-only models have none to merge)")
+            return (f"{denoiser} is a U-Net class ToMe does not know in {self.name} (known: "
+                    f"{', '.join(self.unet_modules)}), so it is left unpatched")
         return None
 
 
@@ -69,9 +104,22 @@ class Forge(Host):
         return unet if isinstance(unet, nn.Module) else None
 
 
-A1111_HOST, FORGE_HOST = A1111(), Forge()
+class ForgeClassicFamily(Forge):
+    """reForge and Forge Classic: the U-Net behind ``forge_objects`` as in Forge, from ``ldm_patched``."""
+
+    name = "reForge / Forge Classic"
+    unet_modules = ("ldm_patched.ldm",)
+
+
+A1111_HOST, FORGE_HOST, FORGE_CLASSIC_HOST = A1111(), Forge(), ForgeClassicFamily()
 
 
 def host_of(model: Any) -> Host:
-    """The host whose layout ``model`` has: Forge's models carry ``forge_objects``."""
-    return FORGE_HOST if hasattr(model, "forge_objects") else A1111_HOST
+    """The host whose layout ``model`` has: Forge's models carry ``forge_objects``; of those, reForge's and
+    Forge Classic's U-Net comes from ``ldm_patched`` (and their model is also an ldm ``LatentDiffusion``)."""
+    if not hasattr(model, "forge_objects"):
+        return A1111_HOST
+    unet = FORGE_HOST.unet(model)
+    if unet is not None and type(unet).__module__.startswith("ldm_patched."):
+        return FORGE_CLASSIC_HOST
+    return FORGE_HOST

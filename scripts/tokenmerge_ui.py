@@ -23,7 +23,7 @@ from modules import script_callbacks, scripts, shared
 from modules.ui_components import InputAccordion
 
 import tome_core
-from scripts.tokenmerge_hosts import host_of
+from scripts.tokenmerge_hosts import host_of, restore_hypertile, set_aside_hypertile
 from tome_core import settings as tm
 
 LOG_PREFIX = "[ToMe]"
@@ -32,7 +32,7 @@ BUILTIN_RATIO_SETTINGS = ("token_merging_ratio", "token_merging_ratio_hr", "toke
 ADVANCED_ROWS = (("method", "max_downsample"), ("sx", "sy"), ("use_rand", "merge_crossattn", "merge_mlp"),
                  ("todo_factor", "todo_pool"), ("step_start", "step_end"))
 # Our own entries in p.extra_generation_params (also the ones an earlier XYZ cell may have left there).
-OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS) | {tm.REFINER_INFOTEXT}
+OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS) | {tm.REFINER_INFOTEXT, tm.HYPERTILE_INFOTEXT}
 # On the processing object: the sampling pass under way, when ToMe applies to it.
 PASS_ATTRIBUTE = "tokenmerge_pass"
 
@@ -40,13 +40,37 @@ PASS_ATTRIBUTE = "tokenmerge_pass"
 # Not just the current model's: the model can change during a job (refiner, hires checkpoint), and a job that
 # fails during sampling leaves its patch on.
 _patched_unets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Hypertile layer settings turned off while ToMe merges those layers.
+_hypertile_set_aside: list = []
+# Of the patches removed since the job began: attention calls that ran unmerged because another extension
+# handed them other rows or tokens than the plan's, and block calls whose plan no attention call used.
+_foreign_calls = {"unmerged_calls": 0, "unused_plans": 0}
 
 
 def remove_all_patches() -> None:
-    """Restore every U-Net this module patched."""
+    """Restore every U-Net this module patched (and Hypertile where ToMe set it aside)."""
     for unet in list(_patched_unets.keys()):
+        patch = tome_core.get_patch(unet)
+        if patch is not None:
+            for counter in _foreign_calls:
+                _foreign_calls[counter] += getattr(patch, counter)
         tome_core.remove_patch(unet)
         _patched_unets.pop(unet, None)
+    restore_hypertile(_hypertile_set_aside)
+    _hypertile_set_aside.clear()
+
+
+def report_foreign_calls(p: Any) -> None:
+    """Tell the user, once per job, where other extensions kept ToMe from merging (and reset the counts)."""
+    unmerged, unused = _foreign_calls["unmerged_calls"], _foreign_calls["unused_plans"]
+    _foreign_calls.update(unmerged_calls=0, unused_plans=0)
+    if unused:
+        note_once(p, f"{unused} block calls ran without merging: another extension replaced or reshaped their "
+                     f"self-attention (an attn1 replacement, HyperTile, ControlNet's reference mode ...), so "
+                     f"those calls computed exact attention")
+    elif unmerged:
+        note_once(p, f"{unmerged} extra self-attention calls by another extension (on a part of the batch or "
+                     f"on tiled tokens) ran exact attention; the ordinary calls were merged")
 
 
 def current_unet() -> tuple[nn.Module | None, str | None]:
@@ -86,6 +110,7 @@ class SamplingPass:
         self.options = options
         self.model: Any = None
         self.engine_refused = False
+        self.hypertile_set_aside = 0  # Hypertile layers turned off while ToMe merges them
 
     def patch_current_model(self) -> str | None:
         """Patch the current model's U-Net (and restore any other); None, or what to tell the user about why
@@ -105,6 +130,11 @@ class SamplingPass:
             self.engine_refused = True
             return f"not applied: {error}; generating without ToMe"
         _patched_unets[unet] = self.options
+        patch = tome_core.get_patch(unet)
+        turned_off = set_aside_hypertile([rec.module.attn1 for rec in patch.selected if rec.self_attention])
+        if turned_off:
+            _hypertile_set_aside.extend(turned_off)
+            self.hypertile_set_aside = len(turned_off)
         return None
 
     def follow_model(self, p: Any) -> None:
@@ -186,7 +216,12 @@ class TokenMergeScript(scripts.Script):
         p.tokenmerge_printed = set()
         # postprocess does not run when sampling raised, so the previous job may have left its patch on.
         remove_all_patches()
-        if settings.enabled:
+        _foreign_calls.update(unmerged_calls=0, unused_plans=0)
+        if settings.enabled and (reason := current_unet()[1]):
+            # Say why now, and leave the webui's own token merging as the user set it: turning it off for a job
+            # that then skips ToMe would leave the user with no merging at all.
+            note_once(p, f"skipped: {reason}")
+        elif settings.enabled:
             take_over_builtin_token_merging(p)
 
     def process_batch(self, p: Any, *args: Any, **kwargs: Any) -> None:
@@ -211,6 +246,12 @@ class TokenMergeScript(scripts.Script):
         refusal = sampling_pass.patch_current_model()
         if refusal is None:
             setattr(p, PASS_ATTRIBUTE, sampling_pass)
+            if sampling_pass.hypertile_set_aside:
+                note_once(p, f"Hypertile is set aside on the {sampling_pass.hypertile_set_aside} self-attention "
+                             f"layers ToMe merges (it would tile merged tokens as if they were the image); it "
+                             f"still tiles the other layers")
+                p.extra_generation_params = {**p.extra_generation_params,
+                                             tm.HYPERTILE_INFOTEXT: "set aside on merged blocks"}
             return
         note_once(p, refusal)
         if sampling_pass.engine_refused:
@@ -219,6 +260,7 @@ class TokenMergeScript(scripts.Script):
     def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
         setattr(p, PASS_ATTRIBUTE, None)
         remove_all_patches()
+        report_foreign_calls(p)
 
 
 def without_own_infotext(params: dict) -> dict:

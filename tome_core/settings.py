@@ -23,6 +23,11 @@ REFINER_INFOTEXT = "ToMe refiner"
 """Written (value "unmerged") when the refiner, switched in during sampling, could not be patched: ToMe
 covered the base model's steps only. A record, not a setting: pasting it back sets nothing."""
 
+HYPERTILE_INFOTEXT = "ToMe Hypertile"
+"""Written (value "set aside on merged blocks") when the webui's built-in Hypertile was on for layers ToMe
+merged: Hypertile tiles the sequence it is handed as if it were the image grid, so on those layers it was
+turned off for the job and still tiled every other layer. A record, not a setting."""
+
 OVERRIDES_ATTRIBUTE = "tokenmerge_xyz"
 """Attribute of a host's per-generation object holding ``{key: value}`` overrides for that generation only
 (an XYZ plot cell). Its presence turns ToMe on for that generation."""

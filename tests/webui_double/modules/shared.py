@@ -14,6 +14,9 @@ DEFAULTS: dict[str, Any] = {
     "sd_model_checkpoint": "tiny.safetensors",
     "eta_ddim": 0.0,
     "hires_fix_refiner_pass": "second pass",
+    # the built-in Hypertile (builtin_scripts/hypertile_script.py)
+    "hypertile_enable_unet": False,
+    "hypertile_enable_unet_secondpass": False,
 }
 
 
