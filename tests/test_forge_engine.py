@@ -1,6 +1,7 @@
 """The engine on Forge's U-Net (the Forge double's classes around ldm modules, with Forge's call signatures
-and patch points): exact ToMe against tomesd on an ldm U-Net holding the same weights, keys and values merged
-also when Forge passes them explicitly, ToDo, the seeded partition, and a clean restore."""
+and patch points) and on reForge's and Forge Classic's ``ldm_patched`` U-Net (the reForge double): exact ToMe
+against tomesd on an ldm U-Net holding the same weights, keys and values merged also when the host passes
+them explicitly, ToDo, the seeded partition, and a clean restore."""
 
 from __future__ import annotations
 
@@ -10,11 +11,24 @@ import torch
 
 import tome_core
 import tome_core.patch
+import reforge_double
 from forge_double import install_backend
 from unets import LatentModel, hook_counts, inputs, tiny_unet
 
 install_backend()
+reforge_double.install()
 from forge_double.model import forge_unet  # noqa: E402  (needs the backend on the path)
+from ldm_patched.ldm.modules import attention as ldm_patched_attention  # noqa: E402
+from reforge_double.model import reforge_unet  # noqa: E402
+
+HOSTS = ["forge", "reforge", "forge classic"]
+
+
+@pytest.fixture(params=HOSTS)
+def host_unet(request, monkeypatch):
+    """The U-Net class of each host, as a function of an ldm U-Net whose modules it takes over."""
+    monkeypatch.setattr(ldm_patched_attention, "FORGE_CLASSIC", request.param == "forge classic")
+    return forge_unet if request.param == "forge" else reforge_unet
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -30,10 +44,11 @@ def copying_attn1_patch(n, context, value, extra_options):
     return n.clone(), context.clone(), value.clone()
 
 
-def twins(layout: str):
-    """An ldm U-Net and Forge's U-Net holding the same weights, loaded from one state dict."""
+def twins(layout: str, host_unet=forge_unet):
+    """An ldm U-Net and a host's U-Net (Forge's by default) holding the same weights, loaded from one state
+    dict."""
     ldm = tiny_unet(layout)
-    forge = forge_unet(tiny_unet(layout, seed=99))
+    forge = host_unet(tiny_unet(layout, seed=99))
     assert set(forge.state_dict()) == set(ldm.state_dict())  # the checkpoint's key names, in both
     forge.load_state_dict(ldm.state_dict())
     return ldm, forge
@@ -68,8 +83,8 @@ CASES = [
 @pytest.mark.parametrize("attn1_patches", [(), (identity_attn1_patch,), (copying_attn1_patch,)],
                          ids=["no patch", "attn1 patch", "copying attn1 patch"])
 @pytest.mark.parametrize("layout,batch,h,w,options", CASES)
-def test_forge_unet_patched_by_us_gives_tomesd_on_ldm(layout, batch, h, w, options, attn1_patches):
-    ldm, forge = twins(layout)
+def test_forge_unet_patched_by_us_gives_tomesd_on_ldm(layout, batch, h, w, options, attn1_patches, host_unet):
+    ldm, forge = twins(layout, host_unet)
     x, t, c = inputs(batch, h, w)
     ldm_plain, forge_plain = ldm_call(ldm, x, t, c), forge_call(forge, x, t, c, attn1_patches)
     tomesd_options = dict(options)
@@ -110,10 +125,10 @@ def test_merging_only_the_queries_under_an_attn1_patch_is_caught(monkeypatch):
 @pytest.mark.parametrize("options", [dict(method="todo"), dict(method="todo", todo_factor=4, todo_pool="average"),
                                      dict(ratio=0.5, use_rand=True, seed=1234)])
 @pytest.mark.parametrize("attn1_patches", [(), (identity_attn1_patch,)], ids=["no patch", "attn1 patch"])
-def test_todo_and_the_seeded_partition_act_on_forge_as_on_ldm(options, attn1_patches):
+def test_todo_and_the_seeded_partition_act_on_forge_as_on_ldm(options, attn1_patches, host_unet):
     """What was checked on ldm against the paper's definitions (ToDo: attention on downsampled keys and
     values; the seeded random partition) holds on Forge's U-Net, also when keys and values come explicitly."""
-    ldm, forge = twins("sd1")
+    ldm, forge = twins("sd1", host_unet)
     x, t, c = inputs(2, 32, 32)
     kernel_difference = max_diff(forge_call(forge, x, t, c), ldm_call(ldm, x, t, c))
     tome_core.apply_patch(ldm, **options)

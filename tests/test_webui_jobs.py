@@ -258,3 +258,42 @@ def test_hires_only_without_hires_fix_merges_nothing_and_records_nothing(fresh, 
     assert tome_keys(processed.infotexts[0]) == {}
     assert "no hires fix pass" in capsys.readouterr().out
     fresh.assert_pristine()
+
+
+@pytest.mark.parametrize("case", ["sd3", "alternative unet"])
+def test_a_skipped_job_keeps_the_webuis_own_token_merging(fresh, capsys, case):
+    """Turning the built-in off for a job that then skips ToMe would leave the user with no merging at all."""
+    from modules import sd_unet, shared
+
+    shared.opts.token_merging_ratio = 0.5
+    if case == "sd3":
+        fresh.model.is_sd3 = True
+    else:
+        sd_unet.current_unet = _AlternativeUnet()
+    try:
+        processed = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.3))
+    finally:
+        fresh.model.is_sd3 = False
+    if case == "sd3":  # the alternative U-Net runs instead of the blocks the built-in patches
+        assert fresh.calls and all(c.builtin and c.options is None for c in fresh.calls)
+    assert "Token merging ratio: 0.5" in processed.infotexts[0]
+    assert tome_keys(processed.infotexts[0]) == {}
+    lines = [line for line in capsys.readouterr().out.splitlines() if "[ToMe]" in line]
+    assert len(lines) == 1 and "skipped" in lines[0] and "built-in" not in lines[0], lines
+    fresh.assert_pristine()
+
+
+def test_a_unet_class_of_unknown_origin_is_named_as_such(fresh, capsys):
+    """A U-Net with transformer blocks from a module ToMe was not made for is left alone, and the line says
+    that, not that the model has no transformer blocks."""
+    from scripts.tokenmerge_hosts import host_of
+
+    unet = fresh.unet
+    cls = type(unet)
+    foreign = type(cls.__name__, (cls,), {"__module__": "some_fork.unet"})
+    unet.__class__ = foreign
+    try:
+        reason = host_of(fresh.model).unsupported_reason(fresh.model)
+    finally:
+        unet.__class__ = cls
+    assert "some_fork.unet" in reason and "does not know" in reason and "transformer blocks" not in reason

@@ -60,7 +60,7 @@ def test_a_refiner_sharing_the_base_config_keeps_the_patch(fresh):
     other = refiner(fresh, own_config=False)
     processed = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.3), steps=STEPS,
                               refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
-    if fresh.flavour == "a1111":  # the refiner's weights load into the base model's modules
+    if fresh.processing == "a1111":  # the refiner's weights load into the base model's modules
         assert [c.model for c in fresh.calls] == [fresh.model] * 4
     else:  # Forge builds a model object for every checkpoint it loads
         assert [c.model for c in fresh.calls] == [fresh.model] * 2 + [other] * 2
@@ -100,7 +100,7 @@ def test_hires_fix_with_the_refiner_merges_every_step_with_each_pass_ratio(fresh
     calls = fresh.calls
     # 4 first-pass evaluations, then int(0.7 * 3) + 1 = 3 in the hires pass.
     assert [c.hr for c in calls] == [False] * 4 + [True] * 3
-    assert [c.model is other for c in calls] == switched[fresh.flavour]
+    assert [c.model is other for c in calls] == switched[fresh.processing]
     assert [c.options.ratio for c in calls] == [0.4] * 4 + [0.6] * 3
     assert [c.levels for c in calls] == [{1} if c.model is other else {0} for c in calls]
     assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe hr ratio": "0.6"}

@@ -1,8 +1,8 @@
 """Fixtures and helpers for tests that drive the extension's scripts through the doubles.
 
 ``host`` (module scope) starts a double webui with the extension loaded and a tiny real U-Net as
-``shared.sd_model``, once as the A1111 webui and once as Forge (``tests/forge_double``): tests that use it run
-on both. ``fresh`` (every test) resets settings, checkpoints, observers and reports, records every U-Net call
+``shared.sd_model``, once as the A1111 webui, once as Forge (``tests/forge_double``) and once as reForge
+(``tests/reforge_double``, Forge's processing with the ``ldm_patched`` U-Net): tests that use it run on all. ``fresh`` (every test) resets settings, checkpoints, observers and reports, records every U-Net call
 of the test in ``host.calls``, and afterwards checks that no hook raised and that every U-Net is pristine.
 """
 
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import forge_double
+import reforge_double
 import webui_double
 
-FLAVOURS = ("a1111", "forge")
+FLAVOURS = ("a1111", "forge", "reforge")
 BASE_CHECKPOINT = "tiny.safetensors"
 
 LATENT = 16  # latent side of test images (128 px); hires fix at 1.5 makes it 24
@@ -58,6 +59,11 @@ class Host:
     def unet(self):
         return self.model.unet
 
+    @property
+    def processing(self) -> str:
+        """Whose job processing this flavour has: "a1111", or "forge" (Forge's, also reForge's)."""
+        return "a1111" if self.flavour == "a1111" else "forge"
+
     def record(self, model, x, t, context) -> None:
         import tome_core
         from modules import processing
@@ -72,6 +78,12 @@ class Host:
     def new_model(self, unet=None, kind: str = "u-net"):
         """A model of this host around ``unet`` (a tiny SD 1.x U-Net by default); ``kind`` "transformer" is
         a model with no U-Net blocks (A1111: a module that is not ldm's; Forge: a Flux engine)."""
+        if self.flavour == "reforge":
+            from reforge_double.model import reforge_unet, tiny_reforge_model
+
+            if kind == "transformer":
+                return tiny_reforge_model(_NotAUnet())
+            return tiny_reforge_model(reforge_unet(unet) if unet is not None else None)
         if self.flavour == "forge":
             from forge_double.model import forge_unet, tiny_forge_model
 
@@ -129,7 +141,7 @@ class Host:
 
 
 class _NotAUnet(torch.nn.Module):
-    def forward(self, x, t, context=None):
+    def forward(self, x, t, context=None, **kwargs):
         return x
 
 
@@ -146,9 +158,10 @@ def webui_modules(flavour: str) -> Iterator[None]:
     saved_path = list(sys.path)
     for name in saved:
         del sys.modules[name]
-    first = [forge_double.FORGE_DOUBLE_DIR] if flavour == "forge" else []
+    first = [] if flavour == "a1111" else [forge_double.FORGE_DOUBLE_DIR]
     sys.path[:] = first + [d for d in sys.path if d != forge_double.FORGE_DOUBLE_DIR]
     forge_double.install_backend()
+    reforge_double.install()
     try:
         yield
     finally:

@@ -66,10 +66,15 @@ def _replacement(replacements: dict, name: str, keys):
 
 
 class BasicTransformerBlock(nn.Module):
+    attention_class = CrossAttention
+    attention_gets_options = True  # attention is called with ``transformer_options=``
+    in_place_residual = True       # ``x += n`` on the block's input
+
     def __init__(self, ldm_block: nn.Module) -> None:
         super().__init__()
         self.disable_self_attn = getattr(ldm_block, "disable_self_attn", False)
-        self.attn1, self.attn2 = CrossAttention(ldm_block.attn1), CrossAttention(ldm_block.attn2)
+        self.attn1 = self.attention_class(ldm_block.attn1)
+        self.attn2 = self.attention_class(ldm_block.attn2)
         self.norm1, self.norm2, self.norm3 = ldm_block.norm1, ldm_block.norm2, ldm_block.norm3
         self.ff = ldm_block.ff
         self.n_heads, self.d_head = self.attn1.heads, self.attn1.dim_head
@@ -89,11 +94,19 @@ class BasicTransformerBlock(nn.Module):
             value = source if value is None else value
             out = replace(attention.to_q(n), attention.to_k(source), attention.to_v(value), extra)
             n = attention.to_out(out)
-        else:
+        elif self.attention_gets_options:
             n = attention(n, context=source, value=value, transformer_options=extra)
+        else:
+            n = attention(n, context=source, value=value)
         for patch in patches.get(f"{name}_output_patch", ()):
             n = patch(n, extra)
         return n
+
+    def _add(self, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        if self.in_place_residual:
+            x += n
+            return x
+        return n + x
 
     def _forward(self, x, context=None, transformer_options={}):
         patches = transformer_options.get("patches", {})
@@ -107,21 +120,23 @@ class BasicTransformerBlock(nn.Module):
         source = context if self.disable_self_attn else None
         if "attn1_patch" in patches and source is None:
             source = n  # a patch sees (and may change) self-attention's key/value source explicitly
-        x += self._attention(self.attn1, n, source, None, patches, replacements, "attn1", extra, keys)
+        x = self._add(x, self._attention(self.attn1, n, source, None, patches, replacements, "attn1", extra, keys))
         for patch in patches.get("middle_patch", ()):
             x = patch(x, extra)
         n = self.norm2(x)
-        x += self._attention(self.attn2, n, context, None, patches, replacements, "attn2", extra, keys)
+        x = self._add(x, self._attention(self.attn2, n, context, None, patches, replacements, "attn2", extra, keys))
         x = self.ff(self.norm3(x)) + x
         return x
 
 
 class SpatialTransformer(nn.Module):
+    block_class = BasicTransformerBlock
+
     def __init__(self, ldm_transformer: nn.Module) -> None:
         super().__init__()
         self.norm, self.proj_in, self.proj_out = ldm_transformer.norm, ldm_transformer.proj_in, ldm_transformer.proj_out
         self.use_linear = ldm_transformer.use_linear
-        self.transformer_blocks = nn.ModuleList(BasicTransformerBlock(b) for b in ldm_transformer.transformer_blocks)
+        self.transformer_blocks = nn.ModuleList(self.block_class(b) for b in ldm_transformer.transformer_blocks)
 
     def forward(self, x, context=None, transformer_options={}):
         if not isinstance(context, list):
@@ -148,7 +163,7 @@ class SpatialTransformer(nn.Module):
 class TimestepEmbedSequential(nn.Sequential):
     def forward(self, x, emb, context=None, transformer_options={}, output_shape=None):
         for layer in self:
-            if isinstance(layer, SpatialTransformer):
+            if isinstance(layer, SpatialTransformer):  # Forge's, or a subclass (the ldm_patched double's)
                 x = layer(x, context, transformer_options)
                 if "transformer_index" in transformer_options:
                     transformer_options["transformer_index"] += 1
@@ -159,14 +174,16 @@ class TimestepEmbedSequential(nn.Sequential):
         return x
 
 
-def _convert(sequential: nn.Module) -> TimestepEmbedSequential:
-    layers = [SpatialTransformer(layer) if type(layer).__name__ == "SpatialTransformer" else layer
+def _convert(sequential: nn.Module, transformer_class: type) -> TimestepEmbedSequential:
+    layers = [transformer_class(layer) if type(layer).__name__ == "SpatialTransformer" else layer
               for layer in sequential]
     return TimestepEmbedSequential(*layers)
 
 
 class IntegratedUNet2DConditionModel(nn.Module):
     """Forge's U-Net class. ``from ldm`` takes over an ldm ``UNetModel``'s modules (and so its weights)."""
+
+    transformer_class = SpatialTransformer
 
     def __init__(self, ldm_unet: nn.Module) -> None:
         super().__init__()
@@ -175,9 +192,9 @@ class IntegratedUNet2DConditionModel(nn.Module):
         self.time_embed = ldm_unet.time_embed
         if self.num_classes is not None:
             self.label_emb = ldm_unet.label_emb
-        self.input_blocks = nn.ModuleList(_convert(b) for b in ldm_unet.input_blocks)
-        self.middle_block = _convert(ldm_unet.middle_block)
-        self.output_blocks = nn.ModuleList(_convert(b) for b in ldm_unet.output_blocks)
+        self.input_blocks = nn.ModuleList(_convert(b, self.transformer_class) for b in ldm_unet.input_blocks)
+        self.middle_block = _convert(ldm_unet.middle_block, self.transformer_class)
+        self.output_blocks = nn.ModuleList(_convert(b, self.transformer_class) for b in ldm_unet.output_blocks)
         self.out = ldm_unet.out
 
     def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}, **kwargs):
