@@ -22,25 +22,70 @@ class CheckpointError(ValueError):
     """The file is missing, unreadable, or holds no U-Net this benchmark can build."""
 
 
+class TensorFile:
+    """A checkpoint's tensors, read a part at a time: a ``.safetensors`` file is read tensor by tensor, a
+    ``.ckpt``/``.pt`` pickle is memory-mapped where its format allows (else loaded whole). So building one part
+    never holds the others in memory, and no part is read twice.
+
+    ``keys``: every tensor name. ``shapes(prefix)``: the tensors under ``prefix`` as meta tensors (shapes only,
+    nothing read). ``read(prefix)``: the tensors under ``prefix`` (keys kept whole).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._safetensors = None
+        self._tensors: dict[str, torch.Tensor] | None = None
+        if not os.path.isfile(path):
+            raise CheckpointError(f"--checkpoint {path}: no such file")
+        try:
+            if path.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                self._safetensors = safe_open(path, framework="pt", device="cpu")
+                self.keys = list(self._safetensors.keys())
+                return
+            data = _load_pickle(path)
+        except Exception as error:  # safetensors, pickle and zip each raise their own kinds
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointError(f"--checkpoint {path}: not a readable .safetensors or .ckpt file ({first_line})") \
+                from None
+        if isinstance(data, dict) and isinstance(data.get("state_dict"), dict):
+            data = data["state_dict"]
+        if not isinstance(data, dict):
+            raise CheckpointError(f"--checkpoint {path}: holds a {type(data).__name__}, not a dictionary of tensors")
+        self._tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+        self.keys = list(self._tensors)
+
+    def shapes(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        if self._tensors is not None:
+            return {k: torch.empty(v.shape, device="meta") for k, v in self._tensors.items() if k.startswith(prefix)}
+        return {k: torch.empty(self._safetensors.get_slice(k).get_shape(), device="meta")
+                for k in self.keys if k.startswith(prefix)}
+
+    def read(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        if self._tensors is not None:
+            return {k: v for k, v in self._tensors.items() if k.startswith(prefix)}
+        return {k: self._safetensors.get_tensor(k) for k in self.keys if k.startswith(prefix)}
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """The tensor ``key``, or None when the file has none of that name."""
+        return self.read(key).get(key) if key in self.keys else None
+
+
+def _load_pickle(path: str):
+    """A ``.ckpt``/``.pt`` file's contents, tensors memory-mapped when it is in PyTorch's zip format (since 1.6);
+    older files have no layout to map and are read whole."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap" not in str(error):
+            raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a ``.safetensors`` file or a ``.ckpt``/``.pt`` pickle (loaded with ``weights_only``)."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"--checkpoint {path}: no such file")
-    try:
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # safetensors, pickle and zip each raise their own kinds
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"--checkpoint {path}: not a readable .safetensors or .ckpt file ({first_line})") \
-            from None
-    if isinstance(data, dict) and isinstance(data.get("state_dict"), dict):
-        data = data["state_dict"]
-    if not isinstance(data, dict):
-        raise CheckpointError(f"--checkpoint {path}: holds a {type(data).__name__}, not a dictionary of tensors")
-    return data
+    return TensorFile(path).read()
 
 
 def unet_config(sd: dict[str, torch.Tensor]) -> dict:
@@ -93,31 +138,50 @@ def _read_config(w: dict[str, torch.Tensor]) -> dict:
     return dict(cfg, family=family, depths=depths)
 
 
-def build_from_checkpoint(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, str, int]:
-    """(U-Net, family, context width) with the checkpoint's weights loaded; ``CheckpointError`` when the file
-    is missing, unreadable or holds no U-Net of the ldm layout."""
+def _build_unet(path: str, weights: dict[str, torch.Tensor], cfg: dict, device: torch.device,
+                dtype: torch.dtype, vector_conditioning: bool) -> nn.Module:
+    """The ldm U-Net of ``cfg`` (``unet_config``'s answer) holding ``weights`` (keys without the prefix).
+
+    Built on the meta device and given the file's tensors as its parameters, so no random initialisation is
+    computed and, where the file's dtype is the run's, no second copy is made. With ``vector_conditioning``
+    an SDXL U-Net keeps its ``label_emb`` (pooled text and sizes, ``y``), which ldm's own class cannot build.
+    """
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
-    sd = load_state_dict(path)
-    cfg = unet_config(sd)
+    cfg = dict(cfg)
     family, depths = cfg.pop("family"), cfg.pop("depths")
     depth = max(depths.values())
     context_dim = cfg.pop("context_dim")
-    unet = UNetModel(image_size=32, use_spatial_transformer=True, transformer_depth=depth,
-                     context_dim=[context_dim] * depth, legacy=False, **cfg)
+    with torch.device("meta"):
+        unet = UNetModel(image_size=32, use_spatial_transformer=True, transformer_depth=depth,
+                         context_dim=[context_dim] * depth, legacy=False, **cfg)
+        if vector_conditioning and "label_emb.0.0.weight" in weights:
+            adm_channels, time_channels = weights["label_emb.0.0.weight"].shape[1], unet.model_channels * 4
+            unet.label_emb = nn.Sequential(nn.Sequential(nn.Linear(adm_channels, time_channels), nn.SiLU(),
+                                                         nn.Linear(time_channels, time_channels)))
+            unet.num_classes = "sequential"  # ldm's forward then requires y and adds label_emb(y)
     trim_depths(unet, depths)
-    weights = {k[len(PREFIX):]: v for k, v in sd.items() if k.startswith(PREFIX)}
-    # SDXL's pooled-text embedding (label_emb) has no place in this conditioning-free probe.
-    weights = {k: v for k, v in weights.items() if not k.startswith("label_emb.")}
+    if not vector_conditioning:
+        # SDXL's pooled-text embedding (label_emb) has no place in the conditioning-free speed probe.
+        weights = {k: v for k, v in weights.items() if not k.startswith("label_emb.")}
     try:
-        missing, unexpected = unet.load_state_dict(weights, strict=False)
+        missing, unexpected = unet.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as error:  # a tensor of the wrong shape
         raise CheckpointError(f"--checkpoint {path}: does not match the inferred {family} U-Net "
                               f"({str(error).strip().splitlines()[-1].strip()})") from None
     if missing or unexpected:
         raise CheckpointError(f"--checkpoint {path}: does not match the inferred {family} U-Net: missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]}")
-    return in_run_dtype(unet, device, dtype), family, context_dim
+    return in_run_dtype(unet, device, dtype)
+
+
+def build_from_checkpoint(path: str, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, str, int]:
+    """(U-Net, family, context width) with the checkpoint's weights loaded; ``CheckpointError`` when the file
+    is missing, unreadable or holds no U-Net of the ldm layout. Called as ``unet(x, t, context=[c] * depth)``."""
+    tensors = TensorFile(path)
+    cfg = unet_config(tensors.shapes(PREFIX))
+    weights = {k[len(PREFIX):]: v for k, v in tensors.read(PREFIX).items()}
+    return _build_unet(path, weights, cfg, device, dtype, False), cfg["family"], cfg["context_dim"]
 
 
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
