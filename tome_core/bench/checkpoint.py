@@ -1,4 +1,5 @@
-"""The U-Net of a real SD 1.x / 2.x / SDXL checkpoint, read off its own tensors.
+"""A real SD 1.x / 2.x / SDXL checkpoint, read off its own tensors: its U-Net for the speed benchmark
+(``build_from_checkpoint``), the whole model as a sampling ``Pipeline`` for fidelity runs (``load_pipeline``).
 
 The architecture comes from the checkpoint's tensors (channel widths, levels with attention, depth per level,
 context width, linear or conv projections), so fine-tunes and small test checkpoints load too. Used by
@@ -7,13 +8,16 @@ context width, linear or conv projections), so fine-tunes and small test checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
 import torch
 from torch import nn
 
+from . import textenc, vae
 from .archs import head_channels, in_run_dtype, trim_depths
+from .pipeline import Pipeline, sd_alphas_cumprod
 
 PREFIX = "model.diffusion_model."
 
@@ -182,6 +186,201 @@ def build_from_checkpoint(path: str, device: torch.device, dtype: torch.dtype) -
     cfg = unet_config(tensors.shapes(PREFIX))
     weights = {k[len(PREFIX):]: v for k, v in tensors.read(PREFIX).items()}
     return _build_unet(path, weights, cfg, device, dtype, False), cfg["family"], cfg["context_dim"]
+
+
+# Where each family keeps its text encoder(s).
+CLIP_L = "cond_stage_model.transformer.text_model."  # SD 1.x: OpenAI CLIP ViT-L/14, Hugging Face layout
+OPEN_CLIP_H = "cond_stage_model.model."  # SD 2.x: OpenCLIP ViT-H/14
+SDXL_CLIP_L = "conditioner.embedders.0.transformer.text_model."
+SDXL_OPEN_CLIP_G = "conditioner.embedders.1.model."
+SDXL_REFINER_G = "conditioner.embedders.0.model."
+TEXT_PREFIXES = ("cond_stage_model.", "conditioner.")
+SDXL_DEFAULT_SIZE = 1024  # the size SDXL's vector conditioning says until ``at_size`` sets the sampled one
+FAMILY_NAMES = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL"}
+
+
+def _other_kind(keys: list[str]) -> str:
+    """What a file without an ldm U-Net seems to hold, for the one-line refusal."""
+    def has(*parts: str) -> bool:
+        return any(part in k for k in keys for part in parts)
+
+    if not keys:
+        return "no tensors at all"
+    if has("lora_down", "lora_up", "lora_A", "lora_B", "lora_unet_", "hada_w1", "lokr_w1"):
+        return "a LoRA/LyCORIS file (load it on top of a checkpoint in the webui; benchmark the checkpoint)"
+    if has("joint_blocks.", "x_embedder."):
+        return "an SD3-style transformer (MMDiT), not a U-Net"
+    if has("double_blocks.", "single_blocks."):
+        return "a Flux-style transformer, not a U-Net"
+    if has("down_blocks.", "time_embedding.linear_1."):
+        return "a U-Net in diffusers layout (convert it to a single-file checkpoint)"
+    if all(k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "first_stage_model."))
+           for k in keys):
+        return "a VAE alone"
+    if all(k.startswith(TEXT_PREFIXES + ("text_model.", "transformer.")) for k in keys):
+        return "a text encoder alone"
+    return f"none of the SD 1.x/2.x/SDXL parts (first key: {sorted(keys)[0]!r})"
+
+
+def _encode_empty_prompt(tensors: TensorFile, family: str, context_dim: int, device: torch.device,
+                         notes: list[str]) -> textenc.EmptyPrompt:
+    """The empty prompt's conditioning from the file's own text encoder(s), each freed after use; zeros with a
+    note when the file has no text encoder at all."""
+    keys = tensors.keys
+    try:
+        if family == "sdxl" and any(k.startswith(SDXL_CLIP_L) or k.startswith(SDXL_OPEN_CLIP_G) for k in keys):
+            clip_l = textenc.from_hf_clip(tensors.read(SDXL_CLIP_L), SDXL_CLIP_L, device)
+            open_clip_g = textenc.from_open_clip(tensors.read(SDXL_OPEN_CLIP_G), SDXL_OPEN_CLIP_G, device,
+                                                 projection=True)
+            prompt = textenc.encode_sdxl(clip_l, open_clip_g)
+            del clip_l, open_clip_g
+        elif family == "sd2" and any(k.startswith(OPEN_CLIP_H) for k in keys):
+            prompt = textenc.encode_sd2(textenc.from_open_clip(tensors.read(OPEN_CLIP_H), OPEN_CLIP_H, device))
+        elif family == "sd1" and any(k.startswith(CLIP_L) for k in keys):
+            prompt = textenc.encode_sd1(textenc.from_hf_clip(tensors.read(CLIP_L), CLIP_L, device))
+        elif any(k.startswith(TEXT_PREFIXES) for k in keys):
+            found = sorted({".".join(k.split(".")[:3]) for k in keys if k.startswith(TEXT_PREFIXES)})[:3]
+            raise CheckpointError(f"--checkpoint {tensors.path}: a {FAMILY_NAMES[family]} U-Net, but its text "
+                                  f"encoder is not the one {FAMILY_NAMES[family]} uses (found {', '.join(found)})")
+        else:
+            notes.append(f"no text encoder in {tensors.path}: the U-Net is conditioned on zeros, not on the empty "
+                         f"prompt")
+            pooled = torch.zeros(1, 1280, device=device) if family == "sdxl" else None
+            return textenc.EmptyPrompt(torch.zeros(1, textenc.CONTEXT_LENGTH, context_dim, device=device), pooled)
+    except textenc.TextEncoderError as error:
+        raise CheckpointError(f"--checkpoint {tensors.path}: broken text encoder: {error}") from None
+    if prompt.context.shape[-1] != context_dim:
+        raise CheckpointError(f"--checkpoint {tensors.path}: its text encoder gives {prompt.context.shape[-1]} "
+                              f"channels, its U-Net takes {context_dim}")
+    return prompt
+
+
+def _context_as_list(depth: int):
+    """A forward pre-hook giving ldm's U-Net a context per transformer depth when it is called with one tensor:
+    ldm's SpatialTransformer indexes a list of contexts by block, and SDXL has up to 10 blocks per level."""
+
+    def hook(module, args, kwargs):
+        if isinstance(kwargs.get("context"), torch.Tensor):
+            kwargs = dict(kwargs, context=[kwargs["context"]] * depth)
+        elif len(args) > 2 and isinstance(args[2], torch.Tensor):  # unet(x, timesteps, context)
+            args = (*args[:2], [args[2]] * depth, *args[3:])
+        return args, kwargs
+
+    return hook
+
+
+@torch.no_grad()
+def predicts_velocity(unet: nn.Module, context_dim: int) -> bool:
+    """Whether an SD 2.x U-Net predicts velocity (768-v models) rather than noise, decided as the webui's
+    ``is_using_v_parameterization_for_sd2`` does: at the last timestep on a constant latent (1, 4, 8, 8) of 0.5
+    and a constant context of 0.5, a velocity model's output averages far below the latent (below -1)."""
+    dtype = next(unet.parameters()).dtype
+    device = next(unet.parameters()).device
+    x = torch.full((1, 4, 8, 8), 0.5, device=device, dtype=dtype)
+    context = torch.full((1, 2, context_dim), 0.5, device=device, dtype=dtype)
+    out = unet(x, torch.tensor([999], device=device), context=context)
+    return (out.float() - x.float()).mean().item() < -1
+
+
+def _schedule(tensors: TensorFile, notes: list[str]) -> torch.Tensor:
+    """(1000,) float64 cumulative alphas: SD's default unless the file holds another schedule.
+
+    Half-precision files store the default rounded to float16; that rounding is not a schedule of its own, so
+    a stored schedule within float16 rounding of the default gives the default at full precision.
+    """
+    default = sd_alphas_cumprod()
+    raw = tensors.get("alphas_cumprod")
+    if raw is None:
+        return default
+    stored = raw.double().flatten()
+    if stored.shape != default.shape or not torch.isfinite(stored).all() or not (stored > 0).all():
+        notes.append(f"the schedule in {tensors.path} is not 1000 positive values: SD's default is used")
+        return default
+    rounding = {torch.float16: 1e-3, torch.bfloat16: 8e-3}.get(raw.dtype, 1e-6)  # relative, per value
+    if ((stored - default).abs() <= rounding * default).all():
+        return default
+    notes.append(f"{tensors.path} holds its own noise schedule: it is used")
+    return stored
+
+
+def load_pipeline(path: str, device: torch.device, dtype: torch.dtype, prediction: str = "auto") -> Pipeline:
+    """A user's SD 1.x / 2.x / SDXL checkpoint (``.safetensors`` or ``.ckpt``) as a ``Pipeline``: the U-Net on
+    ``device`` in ``dtype``; the empty prompt's conditioning from the file's own text encoder(s) (computed once
+    in float32, the encoders then freed); the file's VAE decoder in ``dtype`` as ``decode``; the file's noise
+    schedule when it holds one, else SD's.
+
+    prediction: "auto" (noise for SD 1.x and SDXL unless the file has a ``v_pred`` key; for SD 2.x the webui's
+    test), "eps" or "v" to force it.
+    Parts missing from the file, each with a line in ``notes``: no VAE gives ``decode=None`` (sampled latents
+    are compared); no text encoder at all gives a zero context (and zero pooled text for SDXL).
+    Raises ``CheckpointError`` (one line) for a missing or unreadable file, a file of another kind (no U-Net,
+    SD3/Flux, a LoRA, a VAE or a text encoder alone, an SDXL refiner, an inpainting or other non-text-to-image
+    U-Net), and a part that is there but broken or does not fit the U-Net.
+    SDXL's ``y`` says 1024×1024 px; ``at_size`` sets the size actually sampled.
+    """
+    if prediction not in ("auto", "eps", "v"):
+        raise CheckpointError(f"prediction must be 'auto', 'eps' or 'v', got {prediction!r}")
+    tensors = TensorFile(path)
+    if not any(k.startswith(PREFIX) for k in tensors.keys):
+        raise CheckpointError(f"--checkpoint {path}: no U-Net in this checkpoint; it holds "
+                              f"{_other_kind(tensors.keys)}")
+    cfg = unet_config(tensors.shapes(PREFIX))
+    family, context_dim = cfg["family"], cfg["context_dim"]
+    if any(k.startswith(SDXL_REFINER_G) for k in tensors.keys):
+        raise CheckpointError(f"--checkpoint {path}: an SDXL refiner, which refines a base model's latents; "
+                              f"benchmark the base model")
+    if cfg["in_channels"] != 4 or cfg["out_channels"] != 4:
+        raise CheckpointError(f"--checkpoint {path}: a U-Net taking {cfg['in_channels']} channels (inpainting, "
+                              f"depth or instruct models take an image besides the latent); only text-to-image "
+                              f"models (4 channels) sample from noise alone")
+    notes: list[str] = []
+    # One part at a time, smallest first: the text encoders are gone before the U-Net is read.
+    prompt = _encode_empty_prompt(tensors, family, context_dim, device, notes)
+    weights = {k[len(PREFIX):]: v for k, v in tensors.read(PREFIX).items()}
+    unet = _build_unet(path, weights, cfg, device, dtype, vector_conditioning=True)
+    del weights
+    depth = max(cfg["depths"].values())
+    if depth > 1:
+        unet.register_forward_pre_hook(_context_as_list(depth), with_kwargs=True)
+    y = None
+    if family == "sdxl":
+        y = textenc.size_embedding(prompt.pooled, SDXL_DEFAULT_SIZE, SDXL_DEFAULT_SIZE)
+        expected = unet.label_emb[0][0].in_features
+        if y.shape[1] != expected:
+            raise CheckpointError(f"--checkpoint {path}: its U-Net takes {expected} channels of vector "
+                                  f"conditioning, its text encoder and sizes give {y.shape[1]}")
+    if prediction == "auto":
+        if family == "sd2":
+            prediction = "v" if predicts_velocity(unet, context_dim) else "eps"
+        else:
+            prediction = "v" if "v_pred" in tensors.keys else "eps"
+    decode = None
+    if vae.has_decoder(tensors.keys):
+        try:
+            decoder = vae.build_decoder(tensors.read(vae.VAE_PREFIX), family, device, dtype)
+        except vae.VaeError as error:
+            raise CheckpointError(f"--checkpoint {path}: {error}") from None
+        decode = vae.safe_decode(decoder)
+    else:
+        notes.append(f"no VAE in {path}: latents are compared")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return Pipeline(name=name, unet=unet, context=prompt.context.float().cpu(),
+                    y=None if y is None else y.cpu(), prediction=prediction, decode=decode,
+                    alphas_cumprod=_schedule(tensors, notes), notes=notes)
+
+
+def at_size(pipe: Pipeline, height: int, width: int) -> Pipeline:
+    """``pipe`` for images of ``height`` × ``width`` px: SDXL's vector conditioning says that size (the webui
+    conditions on the size it generates at); other models are unchanged. ``CheckpointError`` for a size that
+    is not a positive multiple of ``pipe.downscale`` px, which the U-Net cannot take."""
+    for side in (height, width):
+        if side < pipe.downscale or side % pipe.downscale:
+            raise CheckpointError(f"size {height}x{width}: each side must be a positive multiple of "
+                                  f"{pipe.downscale} px")
+    if pipe.y is None:
+        return pipe
+    pooled = pipe.y[:, :-6 * textenc.SIZE_CHANNELS]
+    return dataclasses.replace(pipe, y=textenc.size_embedding(pooled, height, width))
 
 
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
