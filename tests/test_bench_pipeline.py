@@ -435,3 +435,33 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_problem(tmp_path, files
     refiner = dict(files["sdxl"])
     refiner.update(open_clip_tensors("conditioner.embedders.0.model.", 2, projection=True))
     _refused(tmp_path, refiner, "SDXL refiner")
+
+
+def test_safetensors_are_read_as_safetensors_reads_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from tome_core.bench.checkpoint import TensorFile
+
+    tensors = {"a": torch.randn(3, 4).half(), "b": torch.randn(5).bfloat16(), "c": torch.arange(77)[None],
+               "d": torch.randn(2, 2, 1, 1, dtype=torch.float64), "e": torch.zeros(0, 3), "f": torch.tensor(True)}
+    path = save(tensors, tmp_path / "t.safetensors")
+    expected, got = load_file(path), TensorFile(path).read()
+    assert set(got) == set(expected)
+    for k in expected:
+        assert got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k])
+    assert TensorFile(path).read("a", torch.float32)["a"].dtype == torch.float32
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(open(path, "rb").read()[:-8])
+    with pytest.raises(CheckpointError, match="truncated"):
+        TensorFile(str(truncated)).read()
+
+
+@pytest.mark.parametrize("module", ["textenc", "vae", "checkpoint", "pipeline", "sampling"])
+def test_pipeline_modules_import_without_ldm(module):
+    import subprocess
+    import sys
+
+    code = (f"import sys, tome_core.bench.{module}; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('ldm', 'safetensors')], sys.modules")
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
