@@ -216,8 +216,9 @@ def reference_hidden_states(w: dict[str, torch.Tensor], prefix: str, ids: list[i
             wq, wk, wv = (g[f"{p}self_attn.{c}_proj.weight"] for c in "qkv")
             bq, bk, bv = (g[f"{p}self_attn.{c}_proj.bias"] for c in "qkv")
             wo, bo = g[p + "self_attn.out_proj.weight"], g[p + "self_attn.out_proj.bias"]
-            ln1, ln2, = p + "layer_norm1", p + "layer_norm2"
-            w1, b1, w2, b2 = g[p + "mlp.fc1.weight"], g[p + "mlp.fc1.bias"], g[p + "mlp.fc2.weight"], g[p + "mlp.fc2.bias"]
+            ln1, ln2 = p + "layer_norm1", p + "layer_norm2"
+            w1, b1 = g[p + "mlp.fc1.weight"], g[p + "mlp.fc1.bias"]
+            w2, b2 = g[p + "mlp.fc2.weight"], g[p + "mlp.fc2.bias"]
         else:
             p = f"transformer.resblocks.{i}."
             wq, wk, wv = g[p + "attn.in_proj_weight"].chunk(3)
@@ -255,10 +256,12 @@ def expected_conditioning(layout: str, w: dict[str, torch.Tensor]) -> tuple[torc
     """What the webui computes for an empty prompt, from the architecture: (77, C) context, pooled or None."""
     if layout == "sd1":  # last layer, final LayerNorm
         prefix = "cond_stage_model.transformer.text_model."
-        return final_norm(w, prefix + "final_layer_norm", reference_hidden_states(w, prefix, CLIP_EMPTY, True)[-1]), None
+        last = reference_hidden_states(w, prefix, CLIP_EMPTY, True)[-1]
+        return final_norm(w, prefix + "final_layer_norm", last), None
     if layout == "sd2":  # penultimate layer, then ln_final
         prefix = "cond_stage_model.model."
-        return final_norm(w, prefix + "ln_final", reference_hidden_states(w, prefix, OPEN_CLIP_EMPTY, False)[-2]), None
+        penultimate = reference_hidden_states(w, prefix, OPEN_CLIP_EMPTY, False)[-2]
+        return final_norm(w, prefix + "ln_final", penultimate), None
     pl, pg = "conditioner.embedders.0.transformer.text_model.", "conditioner.embedders.1.model."
     hl = reference_hidden_states(w, pl, CLIP_EMPTY, True)
     hg = reference_hidden_states(w, pg, OPEN_CLIP_EMPTY, False)
@@ -363,13 +366,19 @@ def test_at_size_puts_the_sampled_size_into_sdxls_vector(files):
             at_size(pipe, *bad)
 
 
-def test_a_u_net_only_file_compares_latents_and_says_so(tmp_path):
-    path = save(checkpoint_tensors("sd1", text=False, first_stage=False, schedule=False), tmp_path / "u.safetensors")
+@pytest.mark.parametrize("layout", ["sd1", "sdxl"])
+def test_a_u_net_only_file_compares_latents_and_says_so(tmp_path, layout):
+    tensors = checkpoint_tensors(layout, text=False, first_stage=False, schedule=False)
+    path = save(tensors, tmp_path / "u.safetensors")
     pipe = load_pipeline(path, CPU, torch.float32)
     assert pipe.decode is None
     assert f"no VAE in {path}: latents are compared" in pipe.notes
     assert any("no text encoder" in note for note in pipe.notes)
-    assert torch.equal(pipe.context, torch.zeros(1, 77, WIDTH))
+    assert torch.equal(pipe.context, torch.zeros(1, 77, 2 * WIDTH if layout == "sdxl" else WIDTH))
+    if layout == "sdxl":  # zero pooled text, the sizes as ever
+        assert torch.equal(pipe.y[0, :WIDTH], torch.zeros(WIDTH))
+        assert torch.allclose(pipe.y[0, WIDTH:].double(), expected_size_part([1024, 1024, 0, 0, 1024, 1024]),
+                              atol=1e-4)
     assert euler_sample(pipe, torch.randn(1, 4, 8, 8), steps=2).shape == (1, 4, 8, 8)
 
 

@@ -280,16 +280,18 @@ def _encode_empty_prompt(tensors: TensorFile, family: str, context_dim: int, dev
     note when the file has no text encoder at all."""
     keys = tensors.keys
     try:
+        def part(prefix: str) -> dict[str, torch.Tensor]:  # text encoders run once, in float32
+            return tensors.read(prefix, torch.float32, device)
+
         if family == "sdxl" and any(k.startswith(SDXL_CLIP_L) or k.startswith(SDXL_OPEN_CLIP_G) for k in keys):
-            clip_l = textenc.from_hf_clip(tensors.read(SDXL_CLIP_L, torch.float32, device), SDXL_CLIP_L, device)
-            open_clip_g = textenc.from_open_clip(tensors.read(SDXL_OPEN_CLIP_G, torch.float32, device), SDXL_OPEN_CLIP_G, device,
-                                                 projection=True)
+            clip_l = textenc.from_hf_clip(part(SDXL_CLIP_L), SDXL_CLIP_L, device)
+            open_clip_g = textenc.from_open_clip(part(SDXL_OPEN_CLIP_G), SDXL_OPEN_CLIP_G, device, projection=True)
             prompt = textenc.encode_sdxl(clip_l, open_clip_g)
             del clip_l, open_clip_g
         elif family == "sd2" and any(k.startswith(OPEN_CLIP_H) for k in keys):
-            prompt = textenc.encode_sd2(textenc.from_open_clip(tensors.read(OPEN_CLIP_H, torch.float32, device), OPEN_CLIP_H, device))
+            prompt = textenc.encode_sd2(textenc.from_open_clip(part(OPEN_CLIP_H), OPEN_CLIP_H, device))
         elif family == "sd1" and any(k.startswith(CLIP_L) for k in keys):
-            prompt = textenc.encode_sd1(textenc.from_hf_clip(tensors.read(CLIP_L, torch.float32, device), CLIP_L, device))
+            prompt = textenc.encode_sd1(textenc.from_hf_clip(part(CLIP_L), CLIP_L, device))
         elif any(k.startswith(TEXT_PREFIXES) for k in keys):
             found = sorted({".".join(k.split(".")[:3]) for k in keys if k.startswith(TEXT_PREFIXES)})[:3]
             raise CheckpointError(f"--checkpoint {tensors.path}: a {FAMILY_NAMES[family]} U-Net, but its text "
@@ -297,7 +299,10 @@ def _encode_empty_prompt(tensors: TensorFile, family: str, context_dim: int, dev
         else:
             notes.append(f"no text encoder in {tensors.path}: the U-Net is conditioned on zeros, not on the empty "
                          f"prompt")
-            pooled = torch.zeros(1, 1280, device=device) if family == "sdxl" else None
+            pooled = None
+            if family == "sdxl":  # as wide as the U-Net's vector input leaves after the six size numbers
+                adm = tensors.shapes(PREFIX + "label_emb.0.0.weight")[PREFIX + "label_emb.0.0.weight"].shape[1]
+                pooled = torch.zeros(1, adm - 6 * textenc.SIZE_CHANNELS, device=device)
             return textenc.EmptyPrompt(torch.zeros(1, textenc.CONTEXT_LENGTH, context_dim, device=device), pooled)
     except textenc.TextEncoderError as error:
         raise CheckpointError(f"--checkpoint {tensors.path}: broken text encoder: {error}") from None

@@ -43,7 +43,8 @@ def decoder_config(w: Mapping[str, torch.Tensor]) -> dict:
         ch = math.gcd(*widths)
         attn = [_RESOLUTION // 2 ** i for i in range(levels) if f"decoder.up.{i}.attn.0.q.weight" in w]
         return dict(ch=ch, ch_mult=[width // ch for width in widths], num_res_blocks=blocks - 1,
-                    attn_resolutions=attn, z_channels=int(z_channels), out_ch=int(w["decoder.conv_out.weight"].shape[0]),
+                    attn_resolutions=attn, z_channels=int(z_channels),
+                    out_ch=int(w["decoder.conv_out.weight"].shape[0]),
                     in_channels=3, resolution=_RESOLUTION, double_z=True, dropout=0.0,
                     embed_dim=int(w["post_quant_conv.weight"].shape[1]))
     except (KeyError, ValueError) as error:  # a missing key, or max() of nothing
