@@ -484,3 +484,17 @@ def test_pipeline_modules_import_without_ldm():
             "assert not [m for m in sys.modules if m.split('.')[0] in ('ldm', 'safetensors')], sys.modules")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+@pytest.mark.parametrize("layout", ["sd1", "sdxl"])
+def test_token_merging_patches_a_loaded_pipeline_and_comes_off_cleanly(files, layout):
+    import tome_core
+
+    pipe = at_size(load_pipeline(files[layout, "safetensors"], CPU, torch.float32), 128, 128)
+    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    plain = euler_sample(pipe, noise, steps=2)
+    tome_core.apply_patch(pipe.unet, ratio=0.5, seed=1, max_downsample=2 if layout == "sdxl" else 1)
+    merged = euler_sample(pipe, noise, steps=2)
+    tome_core.remove_patch(pipe.unet)
+    assert not torch.equal(merged, plain)  # the merge reached the U-Net through the pipeline
+    assert torch.equal(euler_sample(pipe, noise, steps=2), plain)
