@@ -406,6 +406,17 @@ def test_velocity_is_told_apart_as_the_webui_does():
     assert not predicts_velocity(Constant(1.0), 8)
 
 
+def test_velocity_fine_tunes_that_say_so_are_read_as_velocity(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = checkpoint_tensors("sd1", text=False, first_stage=False, schedule=False)
+    path = str(tmp_path / "v.safetensors")
+    save_file(tensors, path, metadata={"modelspec.prediction_type": "v"})
+    assert load_pipeline(path, CPU, torch.float32).prediction == "v"
+    tensors["v_pred"] = torch.tensor([])
+    assert load_pipeline(save(tensors, tmp_path / "k.safetensors"), CPU, torch.float32).prediction == "v"
+
+
 def test_prediction_can_be_forced(files):
     assert load_pipeline(files["sd2", "safetensors"], CPU, torch.float32, prediction="v").prediction == "v"
     assert load_pipeline(files["sd2", "safetensors"], CPU, torch.float32, prediction="eps").prediction == "eps"

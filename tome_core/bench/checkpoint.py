@@ -31,8 +31,9 @@ class TensorFile:
     ``.ckpt``/``.pt`` pickle is memory-mapped where its format allows (else loaded whole). So building one part
     never holds the others in memory, and no part is read twice.
 
-    ``keys``: every tensor name. ``shapes(prefix)``: the tensors under ``prefix`` as meta tensors (shapes only,
-    nothing read). ``read(prefix)``: the tensors under ``prefix`` (keys kept whole).
+    ``keys``: every tensor name. ``metadata``: a ``.safetensors`` file's text metadata (else empty).
+    ``shapes(prefix)``: the tensors under ``prefix`` as meta tensors (shapes only, nothing read).
+    ``read(prefix)``: the tensors under ``prefix`` (keys kept whole).
     """
 
     def __init__(self, path: str) -> None:
@@ -45,6 +46,7 @@ class TensorFile:
             if path.endswith(".safetensors"):
                 self._safetensors = _SafetensorsReader(path)
                 self.keys = list(self._safetensors.entries)
+                self.metadata = self._safetensors.metadata
                 return
             data = _load_pickle(path)
         except Exception as error:  # safetensors, pickle and zip each raise their own kinds
@@ -57,6 +59,7 @@ class TensorFile:
             raise CheckpointError(f"--checkpoint {path}: holds a {type(data).__name__}, not a dictionary of tensors")
         self._tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         self.keys = list(self._tensors)
+        self.metadata: dict[str, str] = {}
 
     def shapes(self, prefix: str = "") -> dict[str, torch.Tensor]:
         if self._tensors is not None:
@@ -107,6 +110,7 @@ class _SafetensorsReader:
                 raise ValueError(f"header length {length} does not fit a file of {size} bytes")
             header = json.loads(f.read(length))
         self.data_start = 8 + length
+        self.metadata: dict[str, str] = header.get("__metadata__") or {}
         self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
         for name, info in header.items():
             if name == "__metadata__":
@@ -366,8 +370,8 @@ def load_pipeline(path: str, device: torch.device, dtype: torch.dtype, predictio
     in float32, the encoders then freed); the file's VAE decoder in ``dtype`` as ``decode``; the file's noise
     schedule when it holds one, else SD's.
 
-    prediction: "auto" (noise for SD 1.x and SDXL unless the file has a ``v_pred`` key; for SD 2.x the webui's
-    test), "eps" or "v" to force it.
+    prediction: "auto" (for SD 2.x the webui's test; noise for SD 1.x and SDXL unless the file has a ``v_pred``
+    key or says ``modelspec.prediction_type`` "v" in its metadata), "eps" or "v" to force it.
     Parts missing from the file, each with a line in ``notes``: no VAE gives ``decode=None`` (sampled latents
     are compared); no text encoder at all gives a zero context (and zero pooled text for SDXL).
     Raises ``CheckpointError`` (one line) for a missing or unreadable file, a file of another kind (no U-Net,
@@ -410,7 +414,9 @@ def load_pipeline(path: str, device: torch.device, dtype: torch.dtype, predictio
         if family == "sd2":
             prediction = "v" if predicts_velocity(unet, context_dim) else "eps"
         else:
-            prediction = "v" if "v_pred" in tensors.keys else "eps"
+            # Velocity fine-tunes of SD 1.x/SDXL mark themselves: a "v_pred" tensor, or the model spec's metadata.
+            stated = str(tensors.metadata.get("modelspec.prediction_type", "")).lower()
+            prediction = "v" if "v_pred" in tensors.keys or stated.startswith("v") else "eps"
     decode = None
     if vae.has_decoder(tensors.keys):
         try:
