@@ -443,6 +443,9 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_problem(tmp_path, files
     lora = {"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 320)}
     _refused(tmp_path, lora, "no U-Net in this checkpoint; it holds a LoRA")
     _refused(tmp_path, {k[len("first_stage_model."):]: v for k, v in vae_tensors().items()}, "a VAE alone")
+    _refused(tmp_path, {"encoder.down_blocks.0.resnets.0.conv1.weight": torch.zeros(1),
+                        "decoder.up_blocks.0.resnets.0.conv1.weight": torch.zeros(1)}, "a VAE alone")
+    _refused(tmp_path, {"down_blocks.0.resnets.0.conv1.weight": torch.zeros(1)}, "diffusers layout")
     _refused(tmp_path, {"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(3, 1)},
              "no U-Net in this checkpoint")
     _refused(tmp_path, {"double_blocks.0.img_attn.qkv.weight": torch.zeros(3, 1)}, "Flux")

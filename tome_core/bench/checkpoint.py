@@ -268,11 +268,12 @@ def _other_kind(keys: list[str]) -> str:
         return "an SD3-style transformer (MMDiT), not a U-Net"
     if has("double_blocks.", "single_blocks."):
         return "a Flux-style transformer, not a U-Net"
-    if has("down_blocks.", "time_embedding.linear_1."):
-        return "a U-Net in diffusers layout (convert it to a single-file checkpoint)"
+    # A VAE alone before the diffusers U-Net: a diffusers VAE has down_blocks too, inside its encoder.
     if all(k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv.", "first_stage_model."))
            for k in keys):
         return "a VAE alone"
+    if has("down_blocks.", "time_embedding.linear_1."):
+        return "a U-Net in diffusers layout (convert it to a single-file checkpoint)"
     if all(k.startswith(TEXT_PREFIXES + ("text_model.", "transformer.")) for k in keys):
         return "a text encoder alone"
     return f"none of the SD 1.x/2.x/SDXL parts (first key: {sorted(keys)[0]!r})"
