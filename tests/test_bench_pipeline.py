@@ -317,6 +317,14 @@ def test_checkpoint_loads_with_the_empty_prompts_conditioning(files, layout, ext
     assert torch.equal(pipe.alphas_cumprod, sd_alphas_cumprod())
 
 
+def test_sd1_files_from_older_transformers_load_alike(files, tmp_path):
+    # Before transformers 4.x the CLIP text model had no "text_model." level; the webui renames such keys.
+    old = {k.replace("cond_stage_model.transformer.text_model.", "cond_stage_model.transformer."): v
+           for k, v in files["sd1"].items()}
+    pipe = load_pipeline(save(old, tmp_path / "old.safetensors"), CPU, torch.float32)
+    assert torch.equal(pipe.context, load_pipeline(files["sd1", "safetensors"], CPU, torch.float32).context)
+
+
 def test_vae_decoder_equals_ldms_decode_path(files):
     from ldm.modules.diffusionmodules.model import Decoder
 

@@ -246,6 +246,7 @@ def build_from_checkpoint(path: str, device: torch.device, dtype: torch.dtype) -
 
 # Where each family keeps its text encoder(s).
 CLIP_L = "cond_stage_model.transformer.text_model."  # SD 1.x: OpenAI CLIP ViT-L/14, Hugging Face layout
+CLIP_L_OLD = "cond_stage_model.transformer."  # the same from transformers < 4.x (no "text_model."; webui renames)
 OPEN_CLIP_H = "cond_stage_model.model."  # SD 2.x: OpenCLIP ViT-H/14
 SDXL_CLIP_L = "conditioner.embedders.0.transformer.text_model."
 SDXL_OPEN_CLIP_G = "conditioner.embedders.1.model."
@@ -297,6 +298,8 @@ def _encode_empty_prompt(tensors: TensorFile, family: str, context_dim: int, dev
             prompt = textenc.encode_sd2(textenc.from_open_clip(part(OPEN_CLIP_H), OPEN_CLIP_H, device))
         elif family == "sd1" and any(k.startswith(CLIP_L) for k in keys):
             prompt = textenc.encode_sd1(textenc.from_hf_clip(part(CLIP_L), CLIP_L, device))
+        elif family == "sd1" and any(k.startswith(CLIP_L_OLD + "embeddings.") for k in keys):
+            prompt = textenc.encode_sd1(textenc.from_hf_clip(part(CLIP_L_OLD), CLIP_L_OLD, device))
         elif any(k.startswith(TEXT_PREFIXES) for k in keys):
             found = sorted({".".join(k.split(".")[:3]) for k in keys if k.startswith(TEXT_PREFIXES)})[:3]
             raise CheckpointError(f"--checkpoint {tensors.path}: a {FAMILY_NAMES[family]} U-Net, but its text "
