@@ -520,3 +520,26 @@ def test_token_merging_patches_a_loaded_pipeline_and_comes_off_cleanly(files, la
     tome_core.remove_patch(pipe.unet)
     assert not torch.equal(merged, plain)  # the merge reached the U-Net through the pipeline
     assert torch.equal(euler_sample(pipe, noise, steps=2), plain)
+
+
+def test_a_lightning_ckpt_with_training_state_loads_without_running_its_code(tmp_path, files, monkeypatch):
+    import sys
+    import types
+
+    import numpy as np
+
+    # A ModelCheckpoint callback and numpy scalars beside the weights, as PyTorch Lightning saved SD 1.x; the
+    # class exists only while saving, as pytorch_lightning is absent where the benchmark runs.
+    names = ["pytorch_lightning", "pytorch_lightning.callbacks", "pytorch_lightning.callbacks.model_checkpoint"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    ran = []
+    callback_class = type("ModelCheckpoint", (), {"__setstate__": lambda self, state: ran.append(state)})
+    callback_class.__module__ = names[-1]
+    sys.modules[names[-1]].ModelCheckpoint = callback_class
+    path = str(tmp_path / "lightning.ckpt")
+    torch.save({"state_dict": files["sd1"], "epoch": np.float64(3.0), "callbacks": {"cb": callback_class()}}, path)
+    for name in names:
+        monkeypatch.delitem(sys.modules, name)
+    pipe = load_pipeline(path, CPU, torch.float32)
+    assert pipe.context.shape == (1, 77, WIDTH) and pipe.decode is not None and ran == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import re
 
 import torch
@@ -134,13 +135,41 @@ class _SafetensorsReader:
 
 def _load_pickle(path: str):
     """A ``.ckpt``/``.pt`` file's contents, tensors memory-mapped when it is in PyTorch's zip format (since 1.6);
-    older files have no layout to map and are read whole."""
+    older files have no layout to map and are read whole.
+
+    Loaded with ``weights_only``, so no code in the file runs. Checkpoints saved by PyTorch Lightning also pickle
+    training state (a ``ModelCheckpoint`` callback, numpy scalars) that ``weights_only`` refuses; those objects
+    are rebuilt as inert stand-ins (nothing of them is used), as the webui's restricted unpickler lets them by.
+    """
+    try:
+        return _torch_load(path)
+    except pickle.UnpicklingError:
+        if not hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"):  # torch < 2.5
+            raise
+    stand_ins = [_stand_in(name) for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)]
+    with torch.serialization.safe_globals(stand_ins):
+        return _torch_load(path)
+
+
+def _torch_load(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError as error:
         if "mmap" not in str(error):
             raise
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _stand_in(qualified_name: str) -> type:
+    """An inert class answering to ``qualified_name``: any arguments, any state, no behaviour."""
+    module, _, name = qualified_name.rpartition(".")
+
+    def ignore(self, *args, **kwargs) -> None:
+        pass
+
+    cls = type(name, (), {"__init__": ignore, "__setstate__": ignore})
+    cls.__module__, cls.__qualname__ = module, name
+    return cls
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
