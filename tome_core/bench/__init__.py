@@ -2,8 +2,9 @@
 ``python -m tome_core.gpucheck``.
 
 A tool for users of the engine, kept apart from it: it builds the webui's ldm U-Nets and imports ``ldm`` (and,
-when installed, ``tomesd``, ``tqdm``, ``matplotlib``, ``safetensors``) while it runs; importing this package
-imports none of them, and the engine (the rest of ``tome_core``) never imports this package.
+when installed, ``tomesd``, ``tqdm``, ``matplotlib``) while it runs; checkpoints are read without the
+``safetensors`` package. Importing this package imports none of them, and the engine (the rest of
+``tome_core``) never imports this package.
 
 Modules, by concern (each imports only those listed before it):
     archs       the webui's U-Net architectures with SDP attention, random weights, any width scale
