@@ -10,9 +10,11 @@ import contextlib
 import io
 import math
 import re
+import types
 from typing import Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 VAE_PREFIX = "first_stage_model."
@@ -51,19 +53,40 @@ def decoder_config(w: Mapping[str, torch.Tensor]) -> dict:
         raise VaeError(f"incomplete VAE decoder ({type(error).__name__}: {error})") from None
 
 
+def _attention_block_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """ldm's VAE ``AttnBlock`` (single-head self-attention over all pixels, 1×1 conv projections) with PyTorch's
+    scaled-dot-product attention: x (B, C, H, W) -> (B, C, H, W). ldm's own forms the (HW × HW) matrix whole,
+    1 GB in float32 at SDXL's 1024 px; SDP attention computes it in pieces."""
+    b, c, h, w = x.shape
+    normed = self.norm(x)
+    q, k, v = (proj(normed).reshape(b, 1, c, h * w).transpose(2, 3) for proj in (self.q, self.k, self.v))
+    out = F.scaled_dot_product_attention(q, k, v).transpose(2, 3).reshape(b, c, h, w)
+    return x + self.proj_out(out)
+
+
 class VaeDecoder(nn.Module):
     """Latents (B, embed_dim, h, w) as sampled -> images (B, 3, 8h, 8w) float32 in [0, 1]."""
 
     def __init__(self, config: dict, scale_factor: float) -> None:
         super().__init__()
-        from ldm.modules.diffusionmodules.model import Decoder
+        from ldm.modules.diffusionmodules import model as ldm_model
 
         config = dict(config)
         embed_dim = config.pop("embed_dim")
         self.scale_factor = scale_factor
         self.post_quant_conv = nn.Conv2d(embed_dim, config["z_channels"], 1)
-        with contextlib.redirect_stdout(io.StringIO()):  # ldm prints the latent shape and each attention's type
-            self.decoder = Decoder(**config)
+        # ldm swaps in xformers' attention block wherever xformers is installed, and xformers may lack a CPU
+        # kernel; the plain block has the same weights and runs everywhere.
+        xformers = getattr(ldm_model, "XFORMERS_IS_AVAILBLE", False)
+        ldm_model.XFORMERS_IS_AVAILBLE = False
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # ldm prints the latent shape and each attention type
+                self.decoder = ldm_model.Decoder(**config)
+        finally:
+            ldm_model.XFORMERS_IS_AVAILBLE = xformers
+        for module in self.decoder.modules():
+            if isinstance(module, ldm_model.AttnBlock):
+                module.forward = types.MethodType(_attention_block_forward, module)
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         dtype = self.post_quant_conv.weight.dtype
