@@ -473,6 +473,8 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_problem(tmp_path, files
     inpaint = dict(sd1)
     inpaint["model.diffusion_model.input_blocks.0.0.weight"] = torch.zeros(32, 9, 3, 3)
     _refused(tmp_path, inpaint, "9 channels")
+    one_encoder = {k: v for k, v in files["sdxl"].items() if not k.startswith("conditioner.embedders.1.")}
+    _refused(tmp_path, one_encoder, "broken text encoder: no conditioner.embedders.1.model.token_embedding")
     refiner = dict(files["sdxl"])
     refiner.update(open_clip_tensors("conditioner.embedders.0.model.", 2, projection=True))
     _refused(tmp_path, refiner, "SDXL refiner")
