@@ -2,12 +2,17 @@
 ``python -m tome_core.gpucheck``.
 
 A tool for users of the engine, kept apart from it: it builds the webui's ldm U-Nets and imports ``ldm`` (and,
-when installed, ``tomesd``, ``tqdm``, ``matplotlib``, ``safetensors``) while it runs; importing this package
-imports none of them, and the engine (the rest of ``tome_core``) never imports this package.
+when installed, ``tomesd``, ``tqdm``, ``matplotlib``) while it runs; checkpoints are read without the
+``safetensors`` package. Importing this package imports none of them, and the engine (the rest of
+``tome_core``) never imports this package.
 
 Modules, by concern (each imports only those listed before it):
     archs       the webui's U-Net architectures with SDP attention, random weights, any width scale
-    checkpoint  a real checkpoint's U-Net, read off its tensors
+    pipeline    what a fidelity run samples with: U-Net, empty-prompt conditioning, schedule, decoder
+    sampling    a short deterministic Euler run on a pipeline
+    textenc     a checkpoint's text encoders (CLIP ViT-L, OpenCLIP ViT-H/bigG) for the empty prompt
+    vae         a checkpoint's VAE decoder
+    checkpoint  a real checkpoint read off its tensors: its U-Net, or the whole model as a pipeline
     contenders  what is raced: no ToMe, ours, tomesd, and the ideal (attention on fewer tokens, chosen free)
     timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
     probes      the merge's own cost: time and peak memory of find + merge + unmerge
