@@ -245,7 +245,8 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
                path: str | None = None) -> Pipeline:
     """The shipped proxy as a ``Pipeline``: pixel space (channels 3, downscale 1), epsilon prediction, SD's
     schedule, its learned empty-prompt context (1, 4, 32), and ``decode`` mapping (B, 3, h, w) in [-1, 1] to
-    [0, 1]. The U-Net runs as the webui runs ldm (SDP attention), in eval mode on ``device`` in ``dtype``.
+    [0, 1]. The U-Net runs as the webui runs ldm (SDP attention), in eval mode and without gradients, on
+    ``device`` in ``dtype``.
 
     Reads ``path`` (default: ``proxy_weights.safetensors`` beside this module); raises FileNotFoundError with
     the command that makes it when the file is missing.
@@ -264,7 +265,7 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     context = state.pop("context")
     unet = build_proxy_unet(0)
     unet.load_state_dict(state)
-    unet = in_run_dtype(unet, torch.device(device), dtype)
+    unet = in_run_dtype(unet, torch.device(device), dtype).requires_grad_(False)
     return Pipeline(name="proxy (pixel-space SD 1.x-layout U-Net trained on photographs)", unet=unet,
                     context=context.to(device, dtype), prediction="eps", channels=3, downscale=1,
                     decode=lambda x: ((x.float() + 1) / 2).clamp(0, 1),
