@@ -98,9 +98,15 @@ def test_weights_ship_small_and_load_as_a_pixel_space_pipeline(pipe):
     assert all(t.proj_out.weight.abs().max() > 0.01 for _, t, _ in tome_core.patch.transformer_levels(pipe.unet))
 
 
-def test_missing_weights_say_how_to_get_them(tmp_path):
+def test_missing_or_foreign_weights_say_how_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match="python -m tome_core.bench.proxy train"):
         proxy.load_proxy(path=str(tmp_path / "absent.safetensors"))
+    from safetensors.torch import save_file
+
+    foreign = str(tmp_path / "foreign.safetensors")
+    save_file({"context": torch.zeros(1, 4, 32)}, foreign, metadata={"arch": '{"model_channels": 64}'})
+    with pytest.raises(ValueError, match="another architecture"):
+        proxy.load_proxy(path=foreign)
 
 
 def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):

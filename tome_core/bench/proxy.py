@@ -256,10 +256,16 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
         raise FileNotFoundError(f"the proxy model's weights are missing: {path}. They ship with this extension; "
                                 f"restore the file (git checkout -- {os.path.basename(path)}) or train it again: "
                                 f"python -m tome_core.bench.proxy train --seed 0 --out {path}")
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from .archs import in_run_dtype, use_webui_unet
 
+    with safe_open(path, framework="pt") as f:
+        arch = json.loads((f.metadata() or {}).get("arch", "null"))
+    if arch != PROXY_ARCH:
+        raise ValueError(f"{path} holds a proxy of another architecture ({arch}); this code builds {PROXY_ARCH}. "
+                         f"Train it again: python -m tome_core.bench.proxy train --seed 0 --out {path}")
     use_webui_unet()
     state = {k: v.float() for k, v in load_file(path).items()}
     context = state.pop("context")
@@ -316,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p_samples.add_argument("--out", required=True)
     p_samples.add_argument("--steps", type=int, default=25)
     p_samples.add_argument("--seed", type=int, default=0)
+    p_samples.add_argument("--threads", type=int, default=TrainConfig.threads)
     args = parser.parse_args(argv)
 
     if args.command == "train":
@@ -335,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "train_seconds": f"{seconds:.0f}", "last_log": losses[-1] if losses else ""})
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB) in {seconds:.0f}s")
     else:
-        torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+        torch.set_num_threads(args.threads)
         pipe = load_proxy(path=args.weights)
         save_png(sample_grid(pipe, steps=args.steps, seed=args.seed), args.out)
         print(f"wrote {args.out}")
