@@ -7,6 +7,8 @@ ToMe as with random destinations, and sample noise or flat colour.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -179,6 +181,47 @@ def test_training_made_tokens_more_mergeable_than_the_architecture_alone(pipe, h
     tome_u, random_u = _tome_and_random_changes(untrained, held_out)
     print(f"\nToMe / random destinations: trained {tome / random:.2f}, random weights {tome_u / random_u:.2f}")
     assert tome / random < tome_u / random_u - 0.05
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean PSNR (dB) of pictures (B, 3, h, w) in [0, 1]."""
+    return float((10 * torch.log10(1 / (a - b).pow(2).flatten(1).mean(1))).mean())
+
+
+def test_sampled_fidelity_falls_as_the_ratio_rises(pipe):
+    """The benchmark's own measure on a short run: PSNR of the final pictures against the unmerged run's."""
+    noise = torch.randn(2, 3, proxy.EVAL_SIZE, proxy.EVAL_SIZE, generator=torch.Generator().manual_seed(5))
+
+    def sample() -> torch.Tensor:
+        return pipe.decode(euler_sample(pipe, noise, steps=8))
+
+    reference = sample()
+    psnr = {}
+    for ratio in (0.25, 0.5, 0.75):
+        tome_core.apply_patch(pipe.unet, ratio=ratio, use_rand=False)
+        try:
+            psnr[ratio] = _psnr(sample(), reference)
+        finally:
+            tome_core.remove_patch(pipe.unet)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tome_core.patch, "plan_merge", _random_metric_plan_merge(seed=11))
+        tome_core.apply_patch(pipe.unet, ratio=0.5, use_rand=False)
+        try:
+            random = _psnr(sample(), reference)
+        finally:
+            tome_core.remove_patch(pipe.unet)
+    print(f"\nPSNR (dB) of 8-step samples, ToMe at 0.25/0.5/0.75: {psnr}; random destinations at 0.5: {random:.2f}")
+    assert psnr[0.25] > psnr[0.5] > psnr[0.75] > 20
+    assert random < psnr[0.5] - 3
+
+
+def test_loading_needs_no_photograph_packages():
+    """The benchmark's default run loads only the weights: scikit-image and scikit-learn are for training."""
+    code = ("import sys; from tome_core.bench.proxy import load_proxy; load_proxy(); "
+            "assert not {'skimage', 'sklearn'} & set(sys.modules), sorted({'skimage', 'sklearn'} & set(sys.modules))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def _neighbour_correlation(images: torch.Tensor) -> float:
