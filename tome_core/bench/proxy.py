@@ -3,8 +3,9 @@
 Why it exists: a fidelity figure (the same sampling run with and without a merging method, final pictures
 compared) needs a model whose tokens carry an image's redundancy. Random weights do not (ToMe moved their
 output as much on photographs as on Gaussian noise), and a user's checkpoint is not always at hand. This model
-is a proxy that ranks methods, not an FID: its pictures are 64×64 px photograph-like textures and shapes, not
-SD's images.
+is a proxy that ranks methods, not an FID: its pictures are 64×64 px textures in photographs' colours, not SD's
+images, and merging moves it far less than it moves SD (PSNR in the 40s of dB at ratio 0.5), so its fidelity
+figures order methods and ratios; they do not predict what a user will see.
 
 Layout: ldm's ``UNetModel`` as SD 1.x builds it (SpatialTransformers with one BasicTransformerBlock at
 downsampling 1, 2 and 4, none in the lowest level's input/output blocks, one in the middle block; conv 1×1
