@@ -127,7 +127,7 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _check_output(flag: str, path: str, needs: str, pip: str) -> None:
+def _check_output(flag: str, path: str, what: str, needs: str, pip: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"{flag} {path}: no folder {folder} to write it in")
@@ -136,8 +136,8 @@ def _check_output(flag: str, path: str, needs: str, pip: str) -> None:
     try:
         __import__(needs)
     except ImportError:
-        raise UsageError(f"{flag} {path}: it needs {pip}, which this Python lacks (pip install {pip}, or leave "
-                         f"{flag} out)") from None
+        raise UsageError(f"{flag} {path}: {what} needs {pip}, which this Python lacks (pip install {pip}, or "
+                         f"leave {flag} out)") from None
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -146,6 +146,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.models is not None and args.checkpoint is not None:
         raise UsageError("--models and --checkpoint: give one (--models times random-weight architectures, "
                          "--checkpoint a trained model)")
+    args.defaulted = {name for name in ("ratios", "todo_factors") if getattr(args, name) is None}
     if args.ratios is None:
         args.ratios = [0.3, 0.5, 0.7] if trained else [0.5]
     if args.todo_factors is None:
@@ -176,11 +177,11 @@ def check_args(args: argparse.Namespace) -> None:
         if size <= 0 or (not trained and size % 8):
             raise UsageError(f"--sizes {size}: image sizes must be positive multiples of 8 px")
     if args.plot is not None:
-        _check_output("--plot", args.plot, "matplotlib", "matplotlib")
+        _check_output("--plot", args.plot, "the chart", "matplotlib", "matplotlib")
     if not (trained and args.fidelity):
         args.sheet = ""  # no pictures to show
     if args.sheet:
-        _check_output("--sheet", args.sheet, "PIL", "pillow")
+        _check_output("--sheet", args.sheet, "the side-by-side image", "PIL", "pillow")
     if args.checkpoint is not None:
         if not os.path.isfile(args.checkpoint):
             raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
@@ -331,14 +332,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
         if pipe is None:  # no proxy in this build: the architecture speed run it replaced
-            print("# the shipped proxy model is not in this build: timing the sd15 architecture with random "
-                  "weights instead (speed only)")
-            args.models, args.ratios, args.todo_factors, args.sheet = ["sd15"], [0.5], [2], ""
+            args.models, args.sheet = ["sd15"], ""
+            args.ratios = None if "ratios" in args.defaulted else args.ratios
+            args.todo_factors = None if "todo_factors" in args.defaulted else args.todo_factors
             try:
                 check_args(args)
             except UsageError as error:
                 print(f"{PROG}: error: {error}", file=sys.stderr)
                 return 2
+            print("# the shipped proxy model is not in this build: timing the sd15 architecture with random "
+                  "weights instead (speed only)")
     cap = ratio_cap(STRIDE, STRIDE)
     if pipe is not None:
         return run_trained(args, pipe, device, dtype, command, cap)
