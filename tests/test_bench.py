@@ -130,13 +130,13 @@ def test_checkpoint_fidelity_from_the_command_line(tmp_path, monkeypatch, capsys
         return Pipeline(family, loaded, torch.zeros(1, 77, context_dim), notes=["no VAE: latents compared"])
 
     monkeypatch.setattr(checkpoint, "load_pipeline", load_pipeline, raising=False)
-    assert cli.main(["--checkpoint", str(path), "--sizes", "64", "--ratios", "0.3", "0.6", "--todo-factors", "2",
+    assert cli.main(["--checkpoint", str(path), "--sizes", "128", "--ratios", "0.3", "0.6", "--todo-factors", "2",
                      "--steps", "2", "--repeats", "1", "--quiet", "--no-tomesd", "--sheet",
                      str(tmp_path / "sheet.png")]) == 0
     out = capsys.readouterr().out
     assert "# note: no VAE: latents compared" in out and "the sampled tensors (no decoder)" in out
     psnr = {line.split("|")[3].strip() + " " + line.split("|")[4].strip(): line.split("|")[8].strip()
-            for line in out.splitlines() if line.startswith("| sd1 | 64 |")}
+            for line in out.splitlines() if line.startswith("| sd1 | 128 |")}
     assert psnr["none –"] == "∞"
     assert all(float(psnr[k]) > 0 for k in ("ToMe 0.30", "ToMe 0.60", "ToDo f=2"))
     assert float(psnr["ToMe 0.60"]) < float(psnr["ToMe 0.30"])  # merging more moves the picture further

@@ -225,8 +225,12 @@ def default_sizes(pipe: Pipeline) -> list[int]:
     return [1024 if pipe.y is not None else 512]
 
 
-def check_pipeline_sizes(pipe: Pipeline, sizes: list[int], max_downsample: int | None) -> None:
-    """``UsageError`` for the first size ``pipe`` cannot take, or that leaves no stride cell to merge."""
+def check_pipeline_sizes(pipe: Pipeline, sizes: list[int], max_downsample: int | None,
+                         fidelity: bool = True) -> None:
+    """``UsageError`` for the first size ``pipe`` cannot take, that leaves no stride cell to merge, or (with
+    ``fidelity``) whose compared pictures are smaller than SSIM's window."""
+    from .metrics import WINDOW
+
     from tome_core.patch import transformer_levels
 
     step = size_step(pipe)
@@ -246,6 +250,11 @@ def check_pipeline_sizes(pipe: Pipeline, sizes: list[int], max_downsample: int |
         if grid < STRIDE:
             raise UsageError(f"--sizes {size}: too small for {pipe.name}: its highest-resolution attention sees "
                              f"a {grid}×{grid} token grid, smaller than one {STRIDE}×{STRIDE} stride cell")
+        compared = size if pipe.decode is not None else size // pipe.downscale
+        if fidelity and compared < WINDOW:
+            what = "images" if pipe.decode is not None else "sampled tensors (no decoder)"
+            raise UsageError(f"--sizes {size}: the compared {what} would be {compared}×{compared}, smaller than "
+                             f"SSIM's {WINDOW}×{WINDOW} window (use a larger size, or --no-fidelity)")
 
 
 def steadier_hint(args: argparse.Namespace) -> str:
@@ -327,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             pipe = load_trained(args, device, dtype)
             if pipe is not None:
                 args.sizes = args.sizes or default_sizes(pipe)
-                check_pipeline_sizes(pipe, args.sizes, args.max_downsample)
+                check_pipeline_sizes(pipe, args.sizes, args.max_downsample, args.fidelity)
         except (CheckpointError, UsageError) as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
