@@ -285,11 +285,23 @@ def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         if loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
             return _unet_only_pipeline(args.checkpoint, device, dtype)
         return loader(args.checkpoint, device, dtype, prediction=args.prediction)
+    return load_proxy_pipeline(device, dtype)
+
+
+def load_proxy_pipeline(device: torch.device, dtype: torch.dtype) -> Pipeline | None:
+    """The shipped proxy at its evaluation size; None when this build has none; ``UsageError`` (one line) when
+    its weights are missing or do not fit."""
     try:
-        from .proxy import load_proxy
+        from . import proxy
     except ImportError:
         return None
-    return load_proxy(device=device, dtype=dtype)
+    try:
+        pipe = proxy.load_proxy(device=device, dtype=dtype)
+    except (OSError, ValueError) as error:  # weights missing, unreadable or of another architecture
+        raise UsageError(_first_line(error)) from None
+    if getattr(pipe, "size", None) is None:
+        pipe.size = getattr(proxy, "EVAL_SIZE", 64)
+    return pipe
 
 
 def _unet_only_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Pipeline:
@@ -386,6 +398,7 @@ def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, 
     cases, pictures = [], []
     for size in args.sizes:
         case, pics = jobs.bench_pipeline(args, setup, pipe, size)
+        case.model = short_name(pipe)
         cases.append(case)
         pictures.append(pics)
     setup.progress.close()
@@ -413,6 +426,11 @@ def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, 
             write_tradeoff_chart(cases, args.plot, title, busy)
         print(f"chart written to {args.plot}")
     return 0
+
+
+def short_name(pipe: Pipeline) -> str:
+    """The model's name for a table's first column: up to its first bracket ("proxy (pixel-space ...)")."""
+    return pipe.name.split(" (")[0].strip() or pipe.name
 
 
 def _per_size(path: str, size: int, count: int) -> str:

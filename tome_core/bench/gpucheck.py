@@ -213,15 +213,17 @@ def main(argv: list[str] | None = None) -> int:
 def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
     """Speed and fidelity of every method on the shipped proxy at its evaluation size: the trained model's
     counterpart of the random-weight table above (a few seconds on a GPU)."""
-    from .cli import default_sizes, fidelity_note
+    from .cli import default_sizes, fidelity_note, load_proxy_pipeline, short_name
     from .jobs import bench_pipeline
 
     try:
-        from .proxy import load_proxy
-    except ImportError:
+        pipe = load_proxy_pipeline(device, dtype)
+    except UsageError as error:
+        print(f"\nfidelity: no figure, the proxy did not load: {error}")
+        return
+    if pipe is None:
         print("\nfidelity: the shipped proxy model is not in this build, so no fidelity figure")
         return
-    pipe = load_proxy(device=device, dtype=dtype)
     size = default_sizes(pipe)[0]
     run = argparse.Namespace(ratios=list(PROXY_RATIOS), todo_factors=list(PROXY_TODO_FACTORS), no_rand=False,
                              seed=0, max_downsample=None, no_tomesd=False, no_ideal=False, fidelity=True,
@@ -230,6 +232,7 @@ def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.
     racers = roster_size(len(PROXY_RATIOS), len(PROXY_TODO_FACTORS), "tomesd" in names, "ideal" in names)
     setup = Setup(device, dtype, progress_bar(racers * (run.repeats + 2), not args.quiet))
     case, pictures = bench_pipeline(run, setup, pipe, size)
+    case.model = short_name(pipe)
     setup.progress.close()
     print("\n" + table([case], f"{pipe.name}: speed and fidelity at {size} px", fidelity_note(pictures.on_tensors,
                                                                                                run)))
