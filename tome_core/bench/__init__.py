@@ -24,5 +24,6 @@ Modules, by concern (each imports only those listed before it):
     jobs        the measurements: a whole U-Net step, one top transformer, a trained model's speed and fidelity
     cli         arguments and their validation, the main job (``python -m tome_core.bench``)
     gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
-    proxy       the shipped proxy model (``load_proxy``), imported only when used
+    proxy       the shipped proxy model (a small pixel-space U-Net trained on photographs) for fidelity runs
+                without a checkpoint: ``load_proxy()``, ``python -m tome_core.bench.proxy train|samples``
 """

@@ -1,0 +1,212 @@
+"""The shipped proxy model sees image structure, so fidelity figures measured on it can rank merging methods.
+
+Each test is built to fail on a model that does not: random or barely trained weights merge as badly with
+ToMe as with random destinations, and sample noise or flat colour.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tome_core
+import tome_core.patch
+from tome_core.bench import proxy
+from tome_core.bench.pipeline import Pipeline
+from tome_core.bench.sampling import euler_sample
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+T_MODERATE = 300  # ᾱ ≈ 0.59: the picture's structure still shows through the noise
+CROPS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_and_webui_ldm():
+    """One thread: on a CPU shared with other work two threads spin against each other. ``load_proxy`` patches
+    ldm process-wide as the webui does (SDP attention, resizing cat); take that back after this file."""
+    from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules import openaimodel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CrossAttention, "forward", CrossAttention.forward)
+        mp.setattr(openaimodel, "th", openaimodel.th)
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Pipeline:
+    return proxy.load_proxy()
+
+
+@pytest.fixture(scope="module")
+def held_out() -> torch.Tensor:
+    """(CROPS, 3, 64, 64) crops of photographs the model never saw."""
+    return proxy.held_out_crops(CROPS, proxy.EVAL_SIZE)
+
+
+def _noised(x0: torch.Tensor, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.full((x0.shape[0],), T_MODERATE)
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
+    return proxy.noised(x0, t, noise, proxy.sd_alphas_cumprod().float()), t
+
+
+def _predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return pipe.unet(x, t, context=pipe.context.expand(x.shape[0], -1, -1))
+
+
+def _random_metric_plan_merge(seed: int):
+    """``plan_merge`` as the engine calls it, but scoring similarity on Gaussian noise instead of the block
+    input: the same partition, the same number of merged tokens and the same merge/unmerge, with each merged
+    source going to a uniformly random destination. What merging costs when it ignores the picture."""
+    real = tome_core.patch.plan_merge
+    gen = torch.Generator().manual_seed(seed)
+
+    def plan_merge(metric, src, dst, r, *args, **kwargs):
+        noise = torch.randn(metric.shape, generator=gen).to(metric.device, metric.dtype)
+        return real(noise, src, dst, r, *args, **kwargs)
+    return plan_merge
+
+
+def _change(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, base: torch.Tensor, ratio: float,
+            monkeypatch=None, random_destinations: bool = False) -> float:
+    """RMS change of the predicted noise under a merge at ``ratio``, relative to the prediction's RMS."""
+    with pytest.MonkeyPatch.context() as mp:
+        if random_destinations:
+            mp.setattr(tome_core.patch, "plan_merge", _random_metric_plan_merge(seed=11))
+        tome_core.apply_patch(pipe.unet, ratio=ratio, use_rand=False)
+        try:
+            out = _predict(pipe, x, t)
+        finally:
+            tome_core.remove_patch(pipe.unet)
+    return float((out - base).pow(2).mean().sqrt() / base.pow(2).mean().sqrt())
+
+
+def test_weights_ship_small_and_load_as_a_pixel_space_pipeline(pipe):
+    assert os.path.getsize(proxy.WEIGHTS_FILE) <= 10.5e6
+    assert (pipe.channels, pipe.downscale, pipe.prediction) == (3, 1, "eps")
+    assert pipe.context.shape == (1, proxy.CONTEXT_TOKENS, proxy.CONTEXT_DIM)
+    assert not any(p.requires_grad for p in pipe.unet.parameters()) and not pipe.unet.training
+    assert torch.equal(pipe.decode(torch.tensor([-1.0, 0.0, 1.0, 3.0])), torch.tensor([0.0, 0.5, 1.0, 1.0]))
+    # Trained, not fresh: ldm initialises every proj_out and the output conv to zero.
+    assert pipe.unet.out[-1].weight.abs().max() > 0.01
+    assert all(t.proj_out.weight.abs().max() > 0.01 for _, t, _ in tome_core.patch.transformer_levels(pipe.unet))
+
+
+def test_missing_or_foreign_weights_say_how_to_get_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m tome_core.bench.proxy train"):
+        proxy.load_proxy(path=str(tmp_path / "absent.safetensors"))
+    from safetensors.torch import save_file
+
+    foreign = str(tmp_path / "foreign.safetensors")
+    save_file({"context": torch.zeros(1, 4, 32)}, foreign, metadata={"arch": '{"model_channels": 64}'})
+    with pytest.raises(ValueError, match="another architecture"):
+        proxy.load_proxy(path=foreign)
+
+
+def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):
+    levels = {}
+    for _, t, level in tome_core.patch.transformer_levels(pipe.unet):
+        levels[level] = levels.get(level, 0) + 1
+    # SD 1.x: attention at downsampling 1, 2, 4 (input and output blocks) and in the middle block only at 8.
+    assert sorted(levels) == [0, 1, 2, 3] and levels[3] == 1 and min(levels[0], levels[1], levels[2]) >= 2
+
+    seen = []
+    top = [t for _, t, level in tome_core.patch.transformer_levels(pipe.unet) if level == 0]
+    # Tokens self-attention actually computes on: its query projection's input (after any merge).
+    handles = [t.transformer_blocks[0].attn1.to_q.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]))
+               for t in top]
+    x = torch.zeros(1, 3, proxy.EVAL_SIZE, proxy.EVAL_SIZE)
+    t = torch.tensor([500])
+    try:
+        _predict(pipe, x, t)
+        unpatched = list(seen)
+        seen.clear()
+        tome_core.apply_patch(pipe.unet, ratio=0.5, use_rand=False)
+        selected = tome_core.get_patch(pipe.unet).selected
+        _predict(pipe, x, t)
+    finally:
+        tome_core.remove_patch(pipe.unet)
+        for h in handles:
+            h.remove()
+    assert {rec.level for rec in selected} == {0} and len(selected) == levels[0]
+    assert unpatched == [4096] * levels[0]
+    assert seen == [2048] * levels[0]
+
+
+def test_tome_moves_the_prediction_far_less_than_random_destinations(pipe, held_out):
+    x, t = _noised(held_out)
+    base = _predict(pipe, x, t)
+    tome = _change(pipe, x, t, base, 0.5)
+    random = _change(pipe, x, t, base, 0.5, random_destinations=True)
+    print(f"\nheld-out crops, t={T_MODERATE}, ratio 0.5: ToMe {tome:.4f}, random destinations {random:.4f}")
+    assert tome > 0  # the patch acted at all
+    assert tome < 0.5 * random
+
+
+def test_tome_change_grows_with_the_ratio(pipe, held_out):
+    x, t = _noised(held_out)
+    base = _predict(pipe, x, t)
+    changes = [_change(pipe, x, t, base, ratio) for ratio in (0.25, 0.5, 0.75)]
+    print(f"\nToMe change at ratio 0.25/0.5/0.75: {changes}")
+    assert 0 < changes[0] < changes[1] < changes[2]
+
+
+def test_tome_moves_photographs_less_than_structureless_pictures(pipe, held_out):
+    """Tokens of a photograph are redundant (neighbours alike), those of white noise are not: a model that
+    sees structure loses less to ToMe on the former."""
+    x, t = _noised(held_out)
+    noise_pictures = (torch.rand(held_out.shape, generator=torch.Generator().manual_seed(3)) * 2 - 1)
+    xn, _ = _noised(noise_pictures)
+    photo = _change(pipe, x, t, _predict(pipe, x, t), 0.5)
+    structureless = _change(pipe, xn, t, _predict(pipe, xn, t), 0.5)
+    print(f"\nToMe change at ratio 0.5: photographs {photo:.4f}, uniform-noise pictures {structureless:.4f}")
+    assert photo < structureless
+
+
+def _neighbour_correlation(images: torch.Tensor) -> float:
+    """Mean correlation of horizontally adjacent pixels, per image and channel: (B, C, h, w) -> scalar."""
+    a, b = images[..., :, :-1].flatten(2), images[..., :, 1:].flatten(2)
+    a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+    corr = (a * b).sum(-1) / (a.pow(2).sum(-1) * b.pow(2).sum(-1)).sqrt().clamp_min(1e-12)
+    return float(corr.mean())
+
+
+def test_samples_look_like_pictures_not_noise(pipe, held_out):
+    noise = torch.randn(2, 3, proxy.EVAL_SIZE, proxy.EVAL_SIZE, generator=torch.Generator().manual_seed(0))
+    samples = euler_sample(pipe, noise, steps=12).float()
+    smooth = _neighbour_correlation(samples)
+    photographs = _neighbour_correlation(held_out)
+    print(f"\nneighbour correlation: samples {smooth:.3f}, held-out photographs {photographs:.3f}, "
+          f"noise {_neighbour_correlation(noise):.3f}")
+    assert smooth > 0.8 and abs(_neighbour_correlation(noise)) < 0.1
+    # In the pictures' range and not one flat colour: a model that denoises everything to grey fails here.
+    assert samples.abs().max() < 1.5
+    assert float(samples.flatten(1).std(-1).min()) > 0.05
+    # Differing seeds give different pictures.
+    assert (samples[0] - samples[1]).abs().mean() > 0.05
+
+
+def test_training_is_deterministic_and_runs_end_to_end(tmp_path):
+    images = [proxy.load_photographs(("coffee",))[0][:, :96, :128], torch.linspace(-1, 1, 3 * 48 * 64).view(3, 48, 64)]
+    config = proxy.TrainConfig(seed=5, stages=((16, 2, 2), (32, 1, 1)), warmup=1)
+    logs: list[str] = []
+    first = proxy.train(config, images, log=logs.append)
+    second = proxy.train(config, images, log=logs.append)
+    other = proxy.train(proxy.TrainConfig(seed=6, stages=config.stages, warmup=1), images, log=logs.append)
+    assert first.keys() == second.keys() and "context" in first
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+    assert any("loss" in line for line in logs)
+
+    path = str(tmp_path / "tiny.safetensors")
+    proxy.save_weights(first, path, {"seed": "5"})
+    tiny = proxy.load_proxy(path=path)
+    noise = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    sample = euler_sample(tiny, noise, steps=2)
+    assert sample.shape == noise.shape and torch.isfinite(sample).all()
