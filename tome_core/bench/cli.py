@@ -236,19 +236,19 @@ def check_pipeline_sizes(pipe: Pipeline, sizes: list[int], max_downsample: int |
     step = size_step(pipe)
     levels = [lv for _, _, lv in transformer_levels(pipe.unet)]
     if not levels:
-        raise UsageError(f"{pipe.name}: its U-Net has no transformer blocks to merge in")
+        raise UsageError(f"{pipe.label}: its U-Net has no transformer blocks to merge in")
     top = min(levels)
     if max_downsample is not None and 2 ** top > max_downsample:
-        raise UsageError(f"--max-downsample {max_downsample} selects no attention level of {pipe.name}: its "
+        raise UsageError(f"--max-downsample {max_downsample} selects no attention level of {pipe.label}: its "
                          f"highest-resolution attention is at downsample {2 ** top}")
     for size in sizes:
         if size <= 0 or size % step:
-            raise UsageError(f"--sizes {size}: {pipe.name} takes sizes that are multiples of {step} px "
+            raise UsageError(f"--sizes {size}: {pipe.label} takes sizes that are multiples of {step} px "
                              f"({pipe.downscale} px per sampled cell, {step // pipe.downscale}× downsampling "
                              f"in its U-Net)")
         grid = size // pipe.downscale // 2 ** top
         if grid < STRIDE:
-            raise UsageError(f"--sizes {size}: too small for {pipe.name}: its highest-resolution attention sees "
+            raise UsageError(f"--sizes {size}: too small for {pipe.label}: its highest-resolution attention sees "
                              f"a {grid}×{grid} token grid, smaller than one {STRIDE}×{STRIDE} stride cell")
         compared = size if pipe.decode is not None else size // pipe.downscale
         if fidelity and compared < WINDOW:
@@ -398,12 +398,11 @@ def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, 
     cases, pictures = [], []
     for size in args.sizes:
         case, pics = jobs.bench_pipeline(args, setup, pipe, size)
-        case.model = short_name(pipe)
         cases.append(case)
         pictures.append(pics)
     setup.progress.close()
     on_tensors = pictures[0].on_tensors if pictures[0] is not None else None
-    print("\n" + table(cases, f"{pipe.name}: speed and fidelity, one U-Net call and {args.steps} Euler steps",
+    print("\n" + table(cases, f"{pipe.label}: speed and fidelity, one U-Net call and {args.steps} Euler steps",
                        fidelity_note(on_tensors, args)))
     busy = finish(args, case_timings(cases, "U-Net"), setup.load(), True)
     if args.sheet and pictures[0] is not None:
@@ -412,25 +411,20 @@ def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, 
         for case, pics in zip(cases, pictures):
             path = _per_size(args.sheet, case.size, len(cases))
             what = "sampled tensors (no decoder)" if pics.on_tensors else "images"
-            write_case_sheet(path, case, pics, f"{pipe.name}, {case.size} px, {args.steps} Euler steps, seed "
+            write_case_sheet(path, case, pics, f"{pipe.label}, {case.size} px, {args.steps} Euler steps, seed "
                              f"{args.seed}: {what}; caption: setting, speed-up, PSNR, SSIM")
             print(f"side-by-side images written to {path}")
     if args.plot:
         from .chart import write_speed_chart, write_tradeoff_chart
 
-        title = (f"{pipe.name}: speed-up of one U-Net call (batch {args.batch}, {dtype_name(dtype)}) against PSNR "
-                 f"after {args.steps} Euler steps; {hardware(device)}")
+        title = (f"{pipe.label}: speed-up of one U-Net call (batch {args.batch}, {dtype_name(dtype)}) against PSNR "
+                 f"after {args.steps} Euler steps from seed {args.seed}\n{hardware(device)}")
         if on_tensors is None:
             write_speed_chart(cases, args.plot, title, busy)
         else:
             write_tradeoff_chart(cases, args.plot, title, busy)
         print(f"chart written to {args.plot}")
     return 0
-
-
-def short_name(pipe: Pipeline) -> str:
-    """The model's name for a table's first column: up to its first bracket ("proxy (pixel-space ...)")."""
-    return pipe.name.split(" (")[0].strip() or pipe.name
 
 
 def _per_size(path: str, size: int, count: int) -> str:

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
     """Speed and fidelity of every method on the shipped proxy at its evaluation size: the trained model's
     counterpart of the random-weight table above (a few seconds on a GPU)."""
-    from .cli import default_sizes, fidelity_note, load_proxy_pipeline, short_name
+    from .cli import default_sizes, fidelity_note, load_proxy_pipeline
     from .jobs import bench_pipeline
 
     try:
@@ -232,9 +232,8 @@ def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.
     racers = roster_size(len(PROXY_RATIOS), len(PROXY_TODO_FACTORS), "tomesd" in names, "ideal" in names)
     setup = Setup(device, dtype, progress_bar(racers * (run.repeats + 2), not args.quiet))
     case, pictures = bench_pipeline(run, setup, pipe, size)
-    case.model = short_name(pipe)
     setup.progress.close()
-    print("\n" + table([case], f"{pipe.name}: speed and fidelity at {size} px", fidelity_note(pictures.on_tensors,
+    print("\n" + table([case], f"{pipe.label}: speed and fidelity at {size} px", fidelity_note(pictures.on_tensors,
                                                                                                run)))
     busy = find_busy(case_timings([case], "proxy"), setup.load())
     if busy:

@@ -194,7 +194,7 @@ def bench_pipeline(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size:
     if pipe.y is not None:
         kwargs["y"] = pipe.y.to(setup.device, setup.dtype).expand(args.batch, *pipe.y.shape[1:])
     ops: dict[str, float | None] = {}
-    ms = race(f"{pipe.name} {size} px", wrapped, lambda: unet(x, t, **kwargs), racers, setup, args.repeats,
+    ms = race(f"{pipe.label} {size} px", wrapped, lambda: unet(x, t, **kwargs), racers, setup, args.repeats,
               ops=ops)
     fidelity = pictures.fidelity() if pictures is not None else None
-    return Case(pipe.name, size, entries(racers), ms, fidelity, ops), pictures
+    return Case(pipe.label, size, entries(racers), ms, fidelity, ops), pictures

@@ -52,3 +52,8 @@ class Pipeline:
     alphas_cumprod: torch.Tensor = field(default_factory=sd_alphas_cumprod)
     notes: list[str] = field(default_factory=list)  # one line each, for the report (e.g. "no VAE: latents")
     size: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The name up to its first bracket ("proxy (pixel-space ...)" -> "proxy"), for tables and charts."""
+        return self.name.split(" (")[0].strip() or self.name
