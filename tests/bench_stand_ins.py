@@ -8,6 +8,7 @@ import types
 
 import torch
 
+import tome_core.bench
 from tome_core.bench.pipeline import Pipeline
 from unets import CONTEXT_DIM, randomize_zero_layers
 
@@ -37,5 +38,8 @@ def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline) -> list:
         return pipe_factory()
 
     module.load_proxy = load_proxy
+    module.EVAL_SIZE = 16
     monkeypatch.setitem(sys.modules, "tome_core.bench.proxy", module)
+    # ``from . import proxy`` reads the package's attribute first, set once the real module has been imported.
+    monkeypatch.setattr(tome_core.bench, "proxy", module, raising=False)
     return calls
