@@ -68,8 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ToDo downsampling factors per side, 2 to 8; f keeps 1/f² of the keys and values "
                          "(default: 2 3 4 on a trained model, 2 with --models)")
     ap.add_argument("--steps", type=int, default=20, help="Euler steps of the fidelity run (default 20)")
-    ap.add_argument("--images", type=int, default=1, help="images per fidelity run, from consecutive noise "
-                                                          "(default 1)")
+    ap.add_argument("--images", type=int, default=None,
+                    help="images per fidelity run, compared together (default: 4 on the proxy, where they are "
+                         "cheap and one picture's luck averages out; 1 on a checkpoint)")
     ap.add_argument("--seed", type=int, default=0, help="noise and partition seed (default 0)")
     ap.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=True,
                     help="sample and compare pictures on a trained model (default: on; --no-fidelity times only)")
@@ -163,6 +164,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--repeats {args.repeats}: at least 1 round is needed")
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: at least 1 step is needed")
+    if args.images is None:
+        args.images = 4 if args.checkpoint is None else 1
     if args.images < 1:
         raise UsageError(f"--images {args.images}: at least 1 is needed")
     if args.batch < 1:
