@@ -224,3 +224,25 @@ def test_a_checkpoint_the_loader_refuses_is_one_line_and_exit_2(monkeypatch, cap
 
     monkeypatch.setattr(checkpoint, "load_pipeline", load_pipeline, raising=False)
     _refused(capsys, ["--checkpoint", str(path)], problem)
+
+
+def test_the_gpu_check_measures_fidelity_on_the_proxy(monkeypatch, capsys, steady_timer):
+    from tome_core.bench import gpucheck
+
+    install_proxy(monkeypatch)
+    # Only the fidelity section: the random-weight speed cases are the other GPU check test's.
+    args = gpucheck.parse_args(["--device", "cpu", "--steps", "2", "--repeats", "1", "--quiet"])
+    gpucheck.proxy_fidelity(args, torch.device("cpu"), torch.float32)
+    out = capsys.readouterr().out
+    assert "## stand-in proxy: speed and fidelity at 16 px" in out
+    for method in ("none | –", "ToMe | 0.50", "ToDo | f=2", "ToDo | f=4", "tomesd | 0.70", "ideal | 0.30"):
+        assert f"| stand-in proxy | 16 | {method} |" in out, method
+    assert "the decoded images after 2 Euler steps" in out
+
+
+def test_the_gpu_check_says_when_there_is_no_proxy(monkeypatch, capsys):
+    from tome_core.bench import cli, gpucheck
+
+    monkeypatch.setattr(cli, "load_proxy_pipeline", lambda device, dtype: None)
+    gpucheck.proxy_fidelity(gpucheck.parse_args(["--device", "cpu"]), torch.device("cpu"), torch.float32)
+    assert "no fidelity figure" in capsys.readouterr().out

@@ -227,7 +227,8 @@ def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.
     size = default_sizes(pipe)[0]
     run = argparse.Namespace(ratios=list(PROXY_RATIOS), todo_factors=list(PROXY_TODO_FACTORS), no_rand=False,
                              seed=0, max_downsample=None, no_tomesd=False, no_ideal=False, fidelity=True,
-                             steps=args.steps, images=1, batch=2, repeats=min(args.repeats, 10))
+                             steps=args.steps, images=4 if device.type == "cuda" else 1, batch=2,
+                             repeats=min(args.repeats, 10))  # the small CPU run checks the script, with 1 image
     names = contender_names()
     racers = roster_size(len(PROXY_RATIOS), len(PROXY_TODO_FACTORS), "tomesd" in names, "ideal" in names)
     setup = Setup(device, dtype, progress_bar(racers * (run.repeats + 2), not args.quiet))
@@ -235,6 +236,6 @@ def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.
     setup.progress.close()
     print("\n" + table([case], f"{pipe.label}: speed and fidelity at {size} px", fidelity_note(pictures.on_tensors,
                                                                                                run)))
-    busy = find_busy(case_timings([case], "proxy"), setup.load())
+    busy = find_busy(case_timings([case], "U-Net"), setup.load())
     if busy:
         print("\n" + busy.line("more rounds (--repeats), or a GPU no other process is using"))
