@@ -400,7 +400,7 @@ def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, 
     setup = Setup(device, dtype, progress_bar(total, not args.quiet))
     cases, pictures = [], []
     for size in args.sizes:
-        case, pics = jobs.bench_pipeline(args, setup, pipe, size)
+        case, pics = jobs.bench_pipeline(args, setup, at_size(pipe, size), size)
         cases.append(case)
         pictures.append(pics)
     setup.progress.close()
@@ -428,6 +428,15 @@ def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, 
             write_tradeoff_chart(cases, args.plot, title, busy)
         print(f"chart written to {args.plot}")
     return 0
+
+
+def at_size(pipe: Pipeline, size: int) -> Pipeline:
+    """``pipe`` conditioned for ``size`` × ``size`` px where its conditioning says a size (SDXL's vector
+    conditioning, as the webui sets it per generation), through ``checkpoint.at_size`` where this build has it."""
+    from . import checkpoint
+
+    resize = getattr(checkpoint, "at_size", None)
+    return pipe if resize is None or pipe.y is None else resize(pipe, size, size)
 
 
 def _per_size(path: str, size: int, count: int) -> str:
