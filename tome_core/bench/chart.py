@@ -92,7 +92,7 @@ def write_speed_chart(cases: list[Case], path: str, title: str, busy: Busy | Non
     one colour per method, and a line at 1 (no gain)."""
     plt = _pyplot()
     entries = [[e for e in case.entries if e.method != "none"] for case in cases]
-    width = max(6.4, 0.55 * sum(len(e) for e in entries) + 2.0)
+    width = max(6.4, 5.0 * len(cases), 0.55 * sum(len(e) for e in entries) + 2.0)
     fig, axes = plt.subplots(1, len(cases), figsize=(width, 5.0), squeeze=False,
                              gridspec_kw=dict(width_ratios=[max(1, len(e)) for e in entries]))
     seen: dict[str, str] = {}
@@ -108,7 +108,7 @@ def write_speed_chart(cases: list[Case], path: str, title: str, busy: Busy | Non
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(range(len(shown)), [f"{e.method}\n{e.setting}" for e in shown], fontsize=7)
         ax.set_ylim(0, max([1.0] + [hi for _, hi in ranges]) * 1.2)
-        ax.set_title(f"{case.model} at {case.size} px (random weights: speed only)", fontsize=9)
+        ax.set_title(f"{case.model} at {case.size} px\n(random weights: speed only)", fontsize=9)
         ax.set_ylabel("speed-up over no merging")
     fig.suptitle(title, fontsize=8)
     _busy_note(fig, busy)

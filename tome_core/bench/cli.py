@@ -505,7 +505,7 @@ def run_architectures(args: argparse.Namespace, device: torch.device, dtype: tor
 
         what = "U-Net step" if unet_cases else "one top transformer"
         title = (f"{what} speed-up over no merging: {dtype_name(dtype)}, SDP attention, batch {args.batch}, "
-                 f"width {args.width:g}; {hardware(device)}; bars: median, whiskers: spread")
+                 f"width {args.width:g}; bars: median, whiskers: spread\n{hardware(device)}")
         write_speed_chart(chart_cases, args.plot, title, busy)
         print(f"\nchart written to {args.plot}")
     return 0
