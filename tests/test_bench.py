@@ -36,7 +36,10 @@ def test_bench_prints_tables(capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0
     assert "## Whole U-Net step" in out and "## One highest-resolution transformer" in out
-    assert out.count("| sd15 | 128 | 0.50 |") == 2 and out.count("| sdxl | 128 | 0.50 |") == 2
+    for model in ("sd15", "sdxl"):
+        for method in ("none | –", "ToMe | 0.50", "ToDo | f=2", "tomesd | 0.50", "ideal | 0.50"):
+            assert out.count(f"| {model} | 128 | {method} |") == 2, (model, method)
+    assert out.count("Random weights: no fidelity figure") == 2
     assert "## Merge overhead" in out and "## Peak extra memory" in out
     assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
 
@@ -110,20 +113,34 @@ def test_checkpoint_u_net_is_read_from_its_tensors(tmp_path, layout):
         assert torch.equal(loaded(x, t, context=[c]), unet(x, t, context=c))
 
 
-def test_checkpoint_report_from_the_command_line(tmp_path):
+def test_checkpoint_fidelity_from_the_command_line(tmp_path, monkeypatch, capsys):
+    # The checkpoint's loading is checkpoint.load_pipeline's own (tested with it); here a stand-in builds the
+    # Pipeline from the U-Net alone, and the command line must sample, compare and time it.
     from safetensors.torch import save_file
+
+    from tome_core.bench import checkpoint
+    from tome_core.bench.pipeline import Pipeline
 
     unet = tiny_unet("sd1")
     path = tmp_path / "tiny.safetensors"
     save_file({"model.diffusion_model." + k: v.contiguous() for k, v in unet.state_dict().items()}, str(path))
-    out = subprocess.run([sys.executable, "-m", "tome_core.bench", "--checkpoint", str(path), "--sizes", "256",
-                          "--ratios", "0.3", "0.6", "--repeats", "1", "--quiet"],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("| 0.") and not line.startswith("| 0.00")]
-    assert [line.split("|")[1].strip() for line in lines] == ["0.30", "0.60"]
-    errors = [[float(v) for v in line.strip("|").split("|")[3:]] for line in lines]
-    assert all(e > 0 for row in errors for e in row)
-    assert sum(errors[1]) > sum(errors[0])  # merging more moves the prediction further
+
+    def load_pipeline(file, device, dtype, prediction="auto"):
+        loaded, family, context_dim = build_from_checkpoint(file, device, dtype)
+        return Pipeline(family, loaded, torch.zeros(1, 77, context_dim), notes=["no VAE: latents compared"])
+
+    monkeypatch.setattr(checkpoint, "load_pipeline", load_pipeline, raising=False)
+    assert cli.main(["--checkpoint", str(path), "--sizes", "128", "--ratios", "0.3", "0.6", "--todo-factors", "2",
+                     "--steps", "2", "--repeats", "1", "--quiet", "--no-tomesd", "--sheet",
+                     str(tmp_path / "sheet.png")]) == 0
+    out = capsys.readouterr().out
+    assert "# note: no VAE: latents compared" in out and "the sampled tensors (no decoder)" in out
+    psnr = {line.split("|")[3].strip() + " " + line.split("|")[4].strip(): line.split("|")[8].strip()
+            for line in out.splitlines() if line.startswith("| sd1 | 128 |")}
+    assert psnr["none –"] == "∞"
+    assert all(float(psnr[k]) > 0 for k in ("ToMe 0.30", "ToMe 0.60", "ToDo f=2"))
+    assert float(psnr["ToMe 0.60"]) < float(psnr["ToMe 0.30"])  # merging more moves the picture further
+    assert (tmp_path / "sheet.png").stat().st_size > 1000
 
 
 def test_checkpoint_without_unet_is_refused(tmp_path):
@@ -134,12 +151,15 @@ def test_checkpoint_without_unet_is_refused(tmp_path):
 def test_gpu_check_script_runs_small_on_cpu(capsys):
     from tome_core.bench import gpucheck
 
+    # --steps 0: the fidelity section on the proxy has its own test (test_bench_fidelity), on a stand-in.
     assert gpucheck.main(["--device", "cpu", "--width", "0.1", "--scale", "0.125", "--repeats", "2",
-                          "--quiet"]) == 0
+                          "--steps", "0", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert [line.split("|")[1:3] for line in out.splitlines() if line.startswith(("| sd15 |", "| sdxl |"))] == \
-        [[" sd15 ", " 64 "], [" sd15 ", " 128 "], [" sd15 ", " 256 "], [" sdxl ", " 128 "]]
-    assert "ideal ms" in out and "ours share" in out
+    assert [line.split("|")[1:3] for line in out.splitlines() if line.startswith(("| sd15 |", "| sdxl |"))
+            and "| none |" in line] == [[" sd15 ", " 64 "], [" sd15 ", " 128 "], [" sd15 ", " 256 "], [" sdxl ", " 128 "]]
+    for method in ("ToMe | 0.50", "ToDo | f=2", "tomesd | 0.50", "ideal | 0.50"):
+        assert out.count(f"| {method} |") == 4, method
+    assert "| share |" in out and "| ops/block |" in out
     assert "merge plans (partition, matching, slot maps) identical" in out
     assert "bitwise equal" in out or "equal up to half-precision rounding" in out
 

@@ -32,6 +32,7 @@ def nothing_is_timed(monkeypatch):
     monkeypatch.setattr(jobs, "model_timer", refuse)
     monkeypatch.setattr(cli, "merge_overhead", refuse)
     monkeypatch.setattr(archs, "build_unet", refuse)
+    monkeypatch.setattr(jobs, "sample_pictures", refuse)
 
 
 def _refused(capsys, main, argv, expected):
@@ -48,14 +49,14 @@ def _refused(capsys, main, argv, expected):
     (["--ratios", "0.5", "-0.1"], "--ratios -0.1: a merge ratio must lie in [0, 1)"),
     (["--ratios", "nan"], "--ratios nan: a merge ratio must lie in [0, 1)"),
     (["--repeats", "0"], "--repeats 0: at least 1 round is needed"),
-    (["--sizes", "512", "100"], "--sizes 100: image sizes must be positive multiples of 8 px"),
+    (["--models", "sd15", "--sizes", "512", "100"], "--sizes 100: image sizes must be positive multiples of 8 px"),
     (["--sizes", "0"], "--sizes 0: image sizes must be positive multiples of 8 px"),
     (["--sizes", "-512"], "--sizes -512: image sizes must be positive multiples of 8 px"),
-    (["--sizes", "8"], "--sizes 8: too small for sd15: its highest-resolution attention sees a 1×1 token grid"),
+    (["--models", "sd15", "--sizes", "8"], "--sizes 8: too small for sd15: its highest-resolution attention sees a 1×1 token grid"),
     (["--models", "sdxl", "--sizes", "16"], "too small for sdxl"),
     (["--models", "sdxl", "--max-downsample", "1"], "--max-downsample 1 selects no attention level of sdxl"),
     (["--width", "0"], "--width 0: a channel scale must be a positive number"),
-    (["--sizes", "16", "--batch", "1", "--width", "0.1"], "--sizes 16 with --batch 1 at --width 0.1"),
+    (["--models", "sd15", "--sizes", "16", "--batch", "1", "--width", "0.1"], "--sizes 16 with --batch 1 at --width 0.1"),
     (["--batch", "0"], "--batch 0: at least 1 is needed"),
     (["--threads", "0"], "--threads 0: at least 1 is needed"),
     (["--memory-size", "100"], "--memory-size 100"),
@@ -104,11 +105,11 @@ def test_missing_and_unusable_checkpoints_are_refused(capsys, tmp_path, nothing_
 
 
 def test_a_ratio_above_the_cap_runs_and_shows_the_ratio_used(capsys):
-    assert cli.main(["--ratios", "0.9", "--sizes", "64", "--width", "0.1", "--repeats", "1", "--quiet",
-                     "--skip", "block", "overhead", "memory", "--no-tomesd"]) == 0
+    assert cli.main(["--models", "sd15", "--ratios", "0.9", "--sizes", "64", "--width", "0.1", "--repeats", "1",
+                     "--quiet", "--skip", "block", "overhead", "memory", "--no-tomesd"]) == 0
     out = capsys.readouterr().out
     assert "ratio 0.9 is above the 2×2 stride's cap" in out and "0.75 is used" in out
-    assert "| sd15 | 64 | 0.75 |" in out
+    assert "| sd15 | 64 | ToMe | 0.75 |" in out
 
 
 def test_command_line_errors_have_no_traceback():
@@ -125,12 +126,14 @@ def test_entry_points_answer_help(module):
     assert done.returncode == 0 and "--repeats" in done.stdout
 
 
-@pytest.mark.parametrize("module", ["archs", "checkpoint", "contenders", "timing", "probes", "report", "jobs",
-                                    "cli", "gpucheck"])
+@pytest.mark.parametrize("module", ["archs", "checkpoint", "pipeline", "sampling", "contenders", "timing", "metrics",
+                                    "opcount", "report", "fidelity", "sheet", "chart", "probes", "jobs", "cli",
+                                    "gpucheck"])
 def test_each_bench_module_imports_alone_without_ldm(module):
     # A fresh interpreter per module: an import cycle shows only when a module of the cycle is imported first.
     code = (f"import sys, tome_core.bench.{module}; "
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('ldm', 'tomesd', 'matplotlib')], sys.modules")
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('ldm', 'tomesd', 'matplotlib', 'PIL')], "
+            "sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -8,9 +8,9 @@ import torch
 
 import tome_core
 from tome_core.bench import archs, cli, jobs
-from tome_core.bench.contenders import IdealPatch, Wrapped, contenders
-from tome_core.bench.report import (BUSY_SPREAD, Load, Row, busy_warning, find_busy, share_of_ideal, speed_table,
-                                    speed_table_line)
+from tome_core.bench.contenders import IdealPatch, Wrapped, roster
+from tome_core.bench.report import (BUSY_SPREAD, Case, Entry, Fidelity, Load, busy_warning, find_busy, share_of_ideal,
+                                    table, table_line)
 from tome_core.bench.timing import Spread, interleaved_rounds, rotated
 from unets import inputs, run, tiny_unet
 
@@ -120,19 +120,23 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
 
         def time_one(name):
             counts[name] = counts.get(name, 0) + 1
-            base = {"none": 100.0, "ours": 80.0, "tomesd": 85.0, "ideal": 60.0}[name]
-            return base * (1.5 if noisy and name == "ours" and counts[name] % 2 else 1.0)
+            base = {"none": 100.0, "ToMe 0.50": 80.0, "ToDo f=2": 90.0, "tomesd 0.50": 85.0, "ideal 0.50": 60.0}[name]
+            return base * (1.5 if noisy and name == "ToMe 0.50" and counts[name] % 2 else 1.0)
         return time_one
 
     monkeypatch.setattr(jobs, "model_timer", fake_timer)
     monkeypatch.setattr(jobs, "CpuWatch", QuietWatch)
-    assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "5", "--quiet", "--skip", "block",
-                     "overhead", "memory"]) == 0
+    assert cli.main(["--models", "sd15", "--sizes", "64", "--width", "0.1", "--repeats", "5", "--quiet", "--skip",
+                     "block", "overhead", "memory"]) == 0
     out = capsys.readouterr().out
     assert ("WARNING: the machine was busy" in out) == warned
     if not warned:
-        assert "| sd15 | 64 | 0.50 | 100.0 (0%) | 80.0 (0%) |" in out
-        assert "| 1.25x | 1.18x | 1.67x | 37% | 26% |" in out
+        assert "| sd15 | 64 | none | – | 100.0 (0%) | 1.00x | – | – | – | 0 |" in out
+        assert "| sd15 | 64 | ToMe | 0.50 | 80.0 (0%) | 1.25x | 37% | – | – |" in out
+        assert "| sd15 | 64 | ToDo | f=2 | 90.0 (0%) | 1.11x | – | – | – |" in out
+        assert "| sd15 | 64 | tomesd | 0.50 | 85.0 (0%) | 1.18x | 26% | – | – |" in out
+        assert "| sd15 | 64 | ideal | 0.50 | 60.0 (0%) | 1.67x | – |" in out
+        assert "Random weights: no fidelity figure" in out
 
 
 @pytest.mark.parametrize("others, cores, threads, contended", [
@@ -164,8 +168,8 @@ class BusyWatch:
 def test_the_main_job_warns_when_other_processes_hold_its_cores(monkeypatch, capsys, webui_unet):
     monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: 10.0))
     monkeypatch.setattr(jobs, "CpuWatch", BusyWatch)
-    assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "3", "--quiet", "--skip", "block",
-                     "overhead", "memory"]) == 0
+    assert cli.main(["--models", "sd15", "--sizes", "64", "--width", "0.1", "--repeats", "3", "--quiet", "--skip",
+                     "block", "overhead", "memory"]) == 0
     out = capsys.readouterr().out
     warnings = [line for line in out.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1 and "other processes kept" in warnings[0]
@@ -175,8 +179,8 @@ def test_the_main_job_warns_when_other_processes_hold_its_cores(monkeypatch, cap
 def test_a_single_round_says_it_cannot_judge(monkeypatch, capsys, webui_unet):
     monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: 10.0))
     monkeypatch.setattr(jobs, "CpuWatch", QuietWatch)
-    assert cli.main(["--sizes", "64", "--width", "0.1", "--repeats", "1", "--quiet", "--skip", "block",
-                     "overhead", "memory"]) == 0
+    assert cli.main(["--models", "sd15", "--sizes", "64", "--width", "0.1", "--repeats", "1", "--quiet", "--skip",
+                     "block", "overhead", "memory"]) == 0
     assert "NOTE: 1 round(s) per U-Net case measure no spread" in capsys.readouterr().out
 
 
@@ -190,27 +194,42 @@ def test_share_of_the_ideal_gain(speedup, ideal, share):
     assert got == share if share is None else got == pytest.approx(share)
 
 
-def test_table_line_shows_medians_spreads_speedups_and_shares():
-    row = Row("sd15", 512, 0.5, {"none": spread(300, 300, 300), "ours": spread(200, 200, 200),
-                                 "tomesd": spread(240, 240, 240), "ideal": spread(150, 150, 150)})
-    # speed-ups 1.5, 1.25, 2.0; shares 0.5 / 1.0 and 0.25 / 1.0.
-    assert speed_table_line(row) == ("| sd15 | 512 | 0.50 | 300.0 (0%) | 200.0 (0%) | 240.0 (0%) | 150.0 (0%) "
-                                     "| 1.50x | 1.25x | 2.00x | 50% | 25% |")
-    no_tomesd = Row("sd15", 512, 0.5, {k: v for k, v in row.ms.items() if k != "tomesd"})
-    assert speed_table_line(no_tomesd).endswith("| 200.0 (0%) | – | 150.0 (0%) | 1.50x | – | 2.00x | 50% | – |")
-    assert "over 3 interleaved rounds" in speed_table([row], "Whole U-Net step")
+ENTRIES = [Entry("none", "none", "–"), Entry("ToMe 0.50", "ToMe", "0.50", "ideal 0.50"),
+           Entry("ToDo f=2", "ToDo", "f=2"), Entry("tomesd 0.50", "tomesd", "0.50", "ideal 0.50"),
+           Entry("ideal 0.50", "ideal", "0.50")]
+
+
+def test_table_line_shows_speed_share_fidelity_and_ops_side_by_side():
+    case = Case("sd15", 512, ENTRIES, {"none": spread(300, 300, 300), "ToMe 0.50": spread(200, 200, 200),
+                                       "ToDo f=2": spread(250, 250, 250), "tomesd 0.50": spread(240, 240, 240),
+                                       "ideal 0.50": spread(150, 150, 150)},
+                {"none": Fidelity(math.inf, 1.0), "ToMe 0.50": Fidelity(31.25, 0.9512),
+                 "ToDo f=2": Fidelity(35.0, 0.97), "tomesd 0.50": Fidelity(30.0, 0.94)},
+                {"ToMe 0.50": 84.0, "ToDo f=2": 6.0, "tomesd 0.50": 120.0, "ideal 0.50": 7.0})
+    # speed-ups 1.5, 1.2, 1.25 and 2.0; shares 0.5 / 1.0 and 0.25 / 1.0; ToDo has no ideal to share.
+    lines = [table_line(case, e) for e in ENTRIES]
+    assert lines == [
+        "| sd15 | 512 | none | – | 300.0 (0%) | 1.00x | – | ∞ | 1.000 | 0 |",
+        "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | 31.2 | 0.951 | 84 |",
+        "| sd15 | 512 | ToDo | f=2 | 250.0 (0%) | 1.20x | – | 35.0 | 0.970 | 6 |",
+        "| sd15 | 512 | tomesd | 0.50 | 240.0 (0%) | 1.25x | 25% | 30.0 | 0.940 | 120 |",
+        "| sd15 | 512 | ideal | 0.50 | 150.0 (0%) | 2.00x | – | – | – | 7 |"]
+    no_fidelity = Case("sd15", 512, ENTRIES, case.ms)
+    assert table_line(no_fidelity, ENTRIES[1]) == "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | – | – | – |"
+    text = table([case], "Whole U-Net step", "Random weights.")
+    assert "over 3 interleaved rounds" in text and "| method | setting | ms | speed-up | share | PSNR dB | SSIM" in text
 
 
 def test_no_share_of_an_ideal_gain_lost_in_noise():
     # The ideal is 1.10x by its medians, but none's and the ideal's quartiles overlap: no share is shown.
-    row = Row("sd15", 512, 0.5, {"none": spread(80, 110, 140), "ours": spread(100, 100, 100),
-                                 "ideal": spread(70, 100, 130)})
-    assert row.speedup("ideal") == pytest.approx(1.1)
-    assert row.share("ours") is None
+    case = Case("sd15", 512, ENTRIES, {"none": spread(80, 110, 140), "ToMe 0.50": spread(100, 100, 100),
+                                       "ideal 0.50": spread(70, 100, 130)})
+    assert case.speedup("ideal 0.50") == pytest.approx(1.1)
+    assert case.share("ToMe 0.50") is None
     # A gain under 5% is not shared out either, however steady.
-    tiny = Row("sd15", 512, 0.5, {"none": spread(103, 103, 103), "ours": spread(101, 101, 101),
-                                  "ideal": spread(100, 100, 100)})
-    assert tiny.share("ours") is None
+    tiny = Case("sd15", 512, ENTRIES, {"none": spread(103, 103, 103), "ToMe 0.50": spread(101, 101, 101),
+                                       "ideal 0.50": spread(100, 100, 100)})
+    assert tiny.share("ToMe 0.50") is None
 
 
 # -- the ideal ------------------------------------------------------------------------------------------------
@@ -253,10 +272,14 @@ def test_ideal_shrinks_self_attention_in_the_blocks_ours_patches_and_undoes_itse
     assert torch.equal(run(unet, x, t, c), plain)
 
 
-def test_contenders_are_none_ours_tomesd_ideal_with_the_same_ratio():
-    names = [c.name for c in contenders(0.5, True, None, 1)]
-    assert names == ["none", "ours", "tomesd", "ideal"]
-    assert [c.name for c in contenders(0.5, True, None, 1, with_tomesd=False, with_ideal=False)] == ["none", "ours"]
+def test_the_roster_has_every_method_at_every_setting():
+    racers = roster([0.3, 0.5], [2, 4])
+    assert [c.name for c in racers] == ["none", "ToMe 0.30", "ToMe 0.50", "ToDo f=2", "ToDo f=4", "tomesd 0.30",
+                                        "tomesd 0.50", "ideal 0.30", "ideal 0.50"]
+    assert {c.name: c.ideal for c in racers if c.ideal} == {"ToMe 0.30": "ideal 0.30", "ToMe 0.50": "ideal 0.50",
+                                                           "tomesd 0.30": "ideal 0.30", "tomesd 0.50": "ideal 0.50"}
+    bare = roster([0.5], [2], with_tomesd=False, with_ideal=False)
+    assert [c.name for c in bare] == ["none", "ToMe 0.50", "ToDo f=2"] and all(c.ideal is None for c in bare)
 
 
 # -- any width scale, every model -----------------------------------------------------------------------------

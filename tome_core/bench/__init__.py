@@ -13,11 +13,18 @@ Modules, by concern (each imports only those listed before it):
     textenc     a checkpoint's text encoders (CLIP ViT-L, OpenCLIP ViT-H/bigG) for the empty prompt
     vae         a checkpoint's VAE decoder
     checkpoint  a real checkpoint read off its tensors: its U-Net, or the whole model as a pipeline
-    contenders  what is raced: no ToMe, ours, tomesd, and the ideal (attention on fewer tokens, chosen free)
+    contenders  what is raced: none, ToMe, ToDo, tomesd at each setting, and the ideal (attention on fewer
+                tokens, chosen free)
     timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
+    metrics     PSNR and SSIM of pictures in [0, 1]
+    opcount     torch calls a patched transformer block adds
+    report      markdown tables (speed, share of the ideal's gain, PSNR, SSIM, ops per block, one line per
+                method and setting) and the busy-machine warning
+    fidelity    the same sampling run with each contender, pictures compared with the unmerged one
+    sheet       the pictures side by side (rows: methods, columns: settings, the unmerged first)
+    chart       speed-up against PSNR per method and setting (speed-ups alone for random weights)
     probes      the merge's own cost: time and peak memory of find + merge + unmerge
-    report      markdown tables, shares of the ideal's gain, the busy-machine warning, the chart
-    jobs        the measurements: a whole U-Net step, one top transformer, a real checkpoint
+    jobs        the measurements: a whole U-Net step, one top transformer, a trained model's speed and fidelity
     cli         arguments and their validation, the main job (``python -m tome_core.bench``)
     gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
     proxy       the shipped proxy model (a small pixel-space U-Net trained on photographs) for fidelity runs

@@ -1,12 +1,15 @@
-"""What token merging gains on this machine: ``python -m tome_core.bench --help``.
+"""What token merging gains on this machine, and what it costs the picture: ``python -m tome_core.bench --help``.
 
-Builds the ldm U-Net architectures the webui runs (random weights; or a real checkpoint's U-Net with
-``--checkpoint``) with PyTorch's scaled-dot-product attention, as the webui's ``--opt-sdp-attention`` runs
-them, and times no ToMe, ours, tomesd (when installed, with the same options) and the ideal in interleaved
-rounds. Prints markdown tables with medians, spreads and shares of the ideal's gain, and warns when the machine
-was too busy for the figures to hold.
+By default it runs the shipped proxy (a small SD-layout U-Net trained on photographs, pixel space) at its
+evaluation size; ``--checkpoint FILE`` runs a real SD 1.x/2.x/SDXL checkpoint. For either, the same short Euler
+sampling run from the same noise is made with no merging and with each method at each setting (ToMe at each
+ratio, ToDo at each factor, tomesd when installed), the final images compared with the unmerged one by PSNR
+and SSIM, and the same contenders timed on a U-Net call in interleaved rounds. ``--models sd15 sdxl ...`` times
+the webui's architectures with random weights instead: speed only, since random weights make no picture.
 
-Every bad argument is refused with one line and exit status 2 before anything is built or timed.
+Prints markdown tables with speed and fidelity side by side, writes the images side by side (``--sheet``) and
+a chart of speed-up against fidelity (``--plot``), and warns when the machine was too busy for the figures.
+Every bad argument or input is refused with one line and exit status 2 before anything is built or timed.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ import sys
 
 import torch
 
-from tome_core.options import ratio_cap
+from tome_core.options import MAX_TODO_FACTOR, ratio_cap
 
 from . import archs, jobs
 from .archs import top_grid
-from .checkpoint import CheckpointError, build_from_checkpoint
-from .jobs import CHEAP_ROUNDS, STRIDE, TIMESTEPS, Setup, dtype_name, hardware
+from .checkpoint import CheckpointError
+from .jobs import CHEAP_ROUNDS, STRIDE, Setup, dtype_name, hardware
+from .pipeline import Pipeline
 from .probes import merge_overhead, peak_memory, peak_memory_child
-from .report import Load, find_busy, ms_cell, row_timings, speed_table, write_chart
+from .report import Case, Load, case_timings, find_busy, ms_cell, table
 from .timing import CpuWatch, progress_bar
 
 PROG = "python -m tome_core.bench"
@@ -47,10 +51,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda or mps when found, else cpu)")
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                     help="default: float16 on cuda/mps, float32 on cpu")
-    ap.add_argument("--models", nargs="+", default=["sd15"], choices=sorted(archs.ARCHS))
+    ap.add_argument("--models", nargs="+", default=None, choices=sorted(archs.ARCHS),
+                    help="time these architectures with random weights (speed only) instead of the proxy")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a .safetensors/.ckpt SD 1.x/2.x/SDXL checkpoint with its VAE and text encoder: speed "
+                         "and fidelity on it (default: the shipped proxy model)")
+    ap.add_argument("--prediction", default="auto", choices=["auto", "eps", "v"],
+                    help="what the checkpoint's U-Net predicts (default: read off the file)")
     ap.add_argument("--sizes", nargs="+", type=int, default=None,
-                    help="image sizes in px, multiples of 8 (default: 512 768 1024 on a GPU, 512 768 on the CPU)")
-    ap.add_argument("--ratios", nargs="+", type=float, default=[0.5], help="merge ratios in [0, 1)")
+                    help="image sizes in px (default: the proxy's evaluation size; 512 for SD 1.x/2.x and 1024 "
+                         "for SDXL checkpoints; 512 768 1024 on a GPU and 512 768 on the CPU for --models)")
+    ap.add_argument("--ratios", nargs="+", type=float, default=None,
+                    help="ToMe (and tomesd) merge ratios in [0, 1) (default: 0.3 0.5 0.7 on a trained model, "
+                         "0.5 with --models)")
+    ap.add_argument("--todo-factors", nargs="+", type=int, default=None,
+                    help="ToDo downsampling factors per side, 2 to 8; f keeps 1/f² of the keys and values "
+                         "(default: 2 3 4 on a trained model, 2 with --models)")
+    ap.add_argument("--steps", type=int, default=20, help="Euler steps of the fidelity run (default 20)")
+    ap.add_argument("--images", type=int, default=None,
+                    help="images per fidelity run, compared together (default: 4 on the proxy, where they are "
+                         "cheap and one picture's luck averages out; 1 on a checkpoint)")
+    ap.add_argument("--seed", type=int, default=0, help="noise and partition seed (default 0)")
+    ap.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=True,
+                    help="sample and compare pictures on a trained model (default: on; --no-fidelity times only)")
+    ap.add_argument("--sheet", default="tome-fidelity.png",
+                    help="where to write the images side by side (default tome-fidelity.png; '' for none)")
     ap.add_argument("--batch", type=int, default=2, help="U-Net batch (2 = one image with cond and uncond)")
     ap.add_argument("--max-downsample", type=int, default=None, choices=[1, 2, 4, 8],
                     help="default: the model's highest-resolution attention level")
@@ -65,10 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="px for the peak-memory probe of one top block (0: skip it)")
     ap.add_argument("--no-tomesd", action="store_true", help="leave tomesd out even when installed")
     ap.add_argument("--no-ideal", action="store_true", help="leave the ideal out")
-    ap.add_argument("--plot", default=None, help="write a PNG chart of the speed-ups here")
-    ap.add_argument("--checkpoint", default=None,
-                    help="a .safetensors/.ckpt SD 1.x/2.x/SDXL checkpoint: time its U-Net and report how far "
-                         "ToMe moves its prediction (relative L2) per ratio")
+    ap.add_argument("--plot", default=None,
+                    help="write a PNG chart here: speed-up against PSNR per method and setting (speed-ups alone "
+                         "with --models)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--_peak-child", nargs=6, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -104,13 +128,46 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def _check_output(flag: str, path: str, what: str, needs: str, pip: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: no folder {folder} to write it in")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder {folder} is not writable")
+    try:
+        __import__(needs)
+    except ImportError:
+        raise UsageError(f"{flag} {path}: {what} needs {pip}, which this Python lacks (pip install {pip}, or "
+                         f"leave {flag} out)") from None
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Raise ``UsageError`` for the first bad argument; fill in the size default."""
+    """Raise ``UsageError`` for the first bad argument; fill in the defaults that depend on the kind of run."""
+    trained = args.models is None  # the proxy or a checkpoint: a model that makes pictures
+    if args.models is not None and args.checkpoint is not None:
+        raise UsageError("--models and --checkpoint: give one (--models times random-weight architectures, "
+                         "--checkpoint a trained model)")
+    args.defaulted = {name for name in ("ratios", "todo_factors") if getattr(args, name) is None}
+    if args.ratios is None:
+        args.ratios = [0.3, 0.5, 0.7] if trained else [0.5]
+    if args.todo_factors is None:
+        args.todo_factors = [2, 3, 4] if trained else [2]
     for ratio in args.ratios:
         if not 0.0 <= ratio < 1.0:  # also refuses nan
             raise UsageError(f"--ratios {ratio:g}: a merge ratio must lie in [0, 1)")
+    for factor in args.todo_factors:
+        if not 2 <= factor <= MAX_TODO_FACTOR:
+            raise UsageError(f"--todo-factors {factor}: a ToDo factor must be a whole number from 2 to "
+                             f"{MAX_TODO_FACTOR}")
+    args.todo_factors = list(dict.fromkeys(args.todo_factors))
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: at least 1 round is needed")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: at least 1 step is needed")
+    if args.images is None:
+        args.images = 4 if args.checkpoint is None else 1
+    if args.images < 1:
+        raise UsageError(f"--images {args.images}: at least 1 is needed")
     if args.batch < 1:
         raise UsageError(f"--batch {args.batch}: at least 1 is needed")
     if not (args.width > 0 and math.isfinite(args.width)):
@@ -120,22 +177,19 @@ def check_args(args: argparse.Namespace) -> None:
     if args.memory_size and (args.memory_size < 16 or args.memory_size % 8):
         raise UsageError(f"--memory-size {args.memory_size}: must be 0 (skip) or a multiple of 8 px, at least 16")
     for size in args.sizes or []:
-        if size <= 0 or size % 8:
+        if size <= 0 or (not trained and size % 8):
             raise UsageError(f"--sizes {size}: image sizes must be positive multiples of 8 px")
     if args.plot is not None:
-        folder = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.isdir(folder):
-            raise UsageError(f"--plot {args.plot}: no folder {folder} to write it in")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError(f"--plot {args.plot}: the chart needs matplotlib, which this Python lacks "
-                             f"(pip install matplotlib, or leave --plot out)") from None
+        _check_output("--plot", args.plot, "the chart", "matplotlib", "matplotlib")
+    if not (trained and args.fidelity):
+        args.sheet = ""  # no pictures to show
+    if args.sheet:
+        _check_output("--sheet", args.sheet, "the side-by-side image", "PIL", "pillow")
     if args.checkpoint is not None:
         if not os.path.isfile(args.checkpoint):
             raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
         return  # its architecture, and so what sizes it can take, is known once it is read
-    for arch in args.models:
+    for arch in args.models or []:
         level = archs.top_attention_level(arch)
         if args.max_downsample is not None and 2 ** level > args.max_downsample:
             raise UsageError(f"--max-downsample {args.max_downsample} selects no attention level of {arch}: its "
@@ -158,6 +212,54 @@ def check_size_fits(size: int, model: str, level: int) -> None:
                          f"{smallest} px)")
 
 
+def size_step(pipe: Pipeline) -> int:
+    """Image sizes ``pipe`` can take are multiples of this: its downscale times the U-Net's total downsampling,
+    so every skip connection meets a tensor of its own size, as the model was trained."""
+    downsamplings = sum(type(m).__name__ == "Downsample" for m in pipe.unet.modules())
+    return pipe.downscale * 2 ** downsamplings
+
+
+def default_sizes(pipe: Pipeline) -> list[int]:
+    """The pipeline's own evaluation size when it names one; else SD's: 1024 px for SDXL (it has vector
+    conditioning), 512 px otherwise."""
+    size = getattr(pipe, "size", None)
+    if size:
+        return [int(size)]
+    return [1024 if pipe.y is not None else 512]
+
+
+def check_pipeline_sizes(pipe: Pipeline, sizes: list[int], max_downsample: int | None,
+                         fidelity: bool = True) -> None:
+    """``UsageError`` for the first size ``pipe`` cannot take, that leaves no stride cell to merge, or (with
+    ``fidelity``) whose compared pictures are smaller than SSIM's window."""
+    from .metrics import WINDOW
+
+    from tome_core.patch import transformer_levels
+
+    step = size_step(pipe)
+    levels = [lv for _, _, lv in transformer_levels(pipe.unet)]
+    if not levels:
+        raise UsageError(f"{pipe.label}: its U-Net has no transformer blocks to merge in")
+    top = min(levels)
+    if max_downsample is not None and 2 ** top > max_downsample:
+        raise UsageError(f"--max-downsample {max_downsample} selects no attention level of {pipe.label}: its "
+                         f"highest-resolution attention is at downsample {2 ** top}")
+    for size in sizes:
+        if size <= 0 or size % step:
+            raise UsageError(f"--sizes {size}: {pipe.label} takes sizes that are multiples of {step} px "
+                             f"({pipe.downscale} px per sampled cell, {step // pipe.downscale}× downsampling "
+                             f"in its U-Net)")
+        grid = size // pipe.downscale // 2 ** top
+        if grid < STRIDE:
+            raise UsageError(f"--sizes {size}: too small for {pipe.label}: its highest-resolution attention sees "
+                             f"a {grid}×{grid} token grid, smaller than one {STRIDE}×{STRIDE} stride cell")
+        compared = size if pipe.decode is not None else size // pipe.downscale
+        if fidelity and compared < WINDOW:
+            what = "images" if pipe.decode is not None else "sampled tensors (no decoder)"
+            raise UsageError(f"--sizes {size}: the compared {what} would be {compared}×{compared}, smaller than "
+                             f"SSIM's {WINDOW}×{WINDOW} window (use a larger size, or --no-fidelity)")
+
+
 def steadier_hint(args: argparse.Namespace) -> str:
     more = max(args.repeats * 2, 5)
     return (f"more rounds (--repeats {more}), fewer threads than free cores (--threads 1), or a quiet machine "
@@ -172,16 +274,55 @@ def load_line(load: Load | None) -> str | None:
             f"{'s' if load.threads > 1 else ''}")
 
 
-def print_checkpoint(args: argparse.Namespace, family: str, base, rows: list[jobs.CheckpointRow]) -> None:
-    print(f"\n## {args.checkpoint}: {family} U-Net at {args.sizes[0]} px, batch {args.batch}\n")
-    print(f"Median ms per call over {base.rounds} interleaved rounds, (spread) = interquartile range / median; "
-          f"rel. L2 = how far the prediction moves from the unmerged one.\n")
-    print("| ratio | ms | speed-up | " + " | ".join(f"rel. L2 t={int(t)}" for t in TIMESTEPS) + " |")
-    print("|------:|---:|------:|" + "------:|" * len(TIMESTEPS))
-    print(f"| 0.00 | {ms_cell(base)} | 1.00x | " + " | ".join("0" for _ in TIMESTEPS) + " |")
-    for row in rows:
-        print(f"| {row.ratio:.2f} | {ms_cell(row.ms)} | {row.speedup:.2f}x | "
-              + " | ".join(f"{e:.4f}" for e in row.errors) + " |")
+RANDOM_NOTE = ("Random weights: no fidelity figure (a random U-Net's pictures carry no image's redundancy and "
+               "rank nothing); run without --models (the shipped proxy) or with --checkpoint for PSNR and SSIM.")
+
+
+def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Pipeline | None:
+    """The checkpoint's pipeline, or the shipped proxy's; None when this build has no proxy. Raises
+    ``CheckpointError`` (one line) for a file that cannot be used."""
+    if args.checkpoint is not None:
+        from . import checkpoint
+
+        loader = getattr(checkpoint, "load_pipeline", None)
+        if loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
+            return _unet_only_pipeline(args.checkpoint, device, dtype)
+        return loader(args.checkpoint, device, dtype, prediction=args.prediction)
+    return load_proxy_pipeline(device, dtype)
+
+
+def load_proxy_pipeline(device: torch.device, dtype: torch.dtype) -> Pipeline | None:
+    """The shipped proxy at its evaluation size; None when this build has none; ``UsageError`` (one line) when
+    its weights are missing or do not fit."""
+    try:
+        from . import proxy
+    except ImportError:
+        return None
+    try:
+        pipe = proxy.load_proxy(device=device, dtype=dtype)
+    except (OSError, ValueError) as error:  # weights missing, unreadable or of another architecture
+        raise UsageError(_first_line(error)) from None
+    if getattr(pipe, "size", None) is None:
+        pipe.size = getattr(proxy, "EVAL_SIZE", 64)
+    return pipe
+
+
+def _unet_only_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Pipeline:
+    from .checkpoint import build_from_checkpoint
+
+    unet, family, context_dim = build_from_checkpoint(path, device, dtype)
+    return Pipeline(family, unet, torch.zeros(1, 77, context_dim),
+                    notes=["this build reads the U-Net only: zero conditioning, sampled latents compared"])
+
+
+def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace) -> str:
+    if pictures_on_tensors is None:
+        return "Fidelity not measured (--no-fidelity)." if args.models is None else RANDOM_NOTE
+    what = ("the sampled tensors (no decoder), mapped to [0, 1] by the unmerged one's range"
+            if pictures_on_tensors else "the decoded images")
+    return (f"PSNR, SSIM: {what} after {args.steps} Euler steps from the same noise (seed {args.seed}, "
+            f"{args.images} image{'s' if args.images > 1 else ''}), against no merging's; ∞ and 1.000 = "
+            f"identical.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,45 +343,129 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.float16)
-    if args.sizes is None:
-        args.sizes = [512, 768] if device.type == "cpu" else [512, 768, 1024]
     archs.use_webui_unet()
-    loaded = None
-    if args.checkpoint:
+    command = f"# command: {PROG} {' '.join(argv if argv is not None else sys.argv[1:])}"
+    pipe = None
+    if args.models is None:
         try:
-            loaded = build_from_checkpoint(args.checkpoint, device, dtype)
-            for size in args.sizes:
-                check_size_fits(size, loaded[1], 1 if loaded[1] == "sdxl" else 0)
+            pipe = load_trained(args, device, dtype)
+            if pipe is not None:
+                args.sizes = args.sizes or default_sizes(pipe)
+                check_pipeline_sizes(pipe, args.sizes, args.max_downsample, args.fidelity)
         except (CheckpointError, UsageError) as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
-    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
-    print(f"# ToMe benchmark: {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP attention, "
-          f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, "
-          f"contenders: {', '.join(names) if loaded is None else 'none and ours per ratio'}")
-    print(f"# command: {PROG} {' '.join(argv if argv is not None else sys.argv[1:])}")
+        if pipe is None:  # no proxy in this build: the architecture speed run it replaced
+            args.models, args.sheet = ["sd15"], ""
+            args.ratios = None if "ratios" in args.defaulted else args.ratios
+            args.todo_factors = None if "todo_factors" in args.defaulted else args.todo_factors
+            try:
+                check_args(args)
+            except UsageError as error:
+                print(f"{PROG}: error: {error}", file=sys.stderr)
+                return 2
+            print("# the shipped proxy model is not in this build: timing the sd15 architecture with random "
+                  "weights instead (speed only)")
     cap = ratio_cap(STRIDE, STRIDE)
+    if pipe is not None:
+        return run_trained(args, pipe, device, dtype, command, cap)
+    return run_architectures(args, device, dtype, command, cap)
+
+
+def _cap_lines(args: argparse.Namespace, cap: float) -> None:
     for ratio in args.ratios:
         if ratio > cap:
             print(f"# ratio {ratio:g} is above the {STRIDE}×{STRIDE} stride's cap: every source token merges, "
                   f"so {cap:.2f} is used (the tables show the ratio used)")
-    if loaded is not None:
-        unet, family, context_dim = loaded
-        setup = Setup(device, dtype, progress_bar((len(args.ratios) + 1) * (args.repeats + 1), not args.quiet))
-        base, rows = jobs.bench_checkpoint(args, setup, unet, context_dim)
-        setup.progress.close()
-        print_checkpoint(args, family, base, rows)
-        timings = [("no ToMe", base)] + [(f"ratio {row.ratio:.2f}", row.ms) for row in rows]
-        finish(args, timings, setup.load(), bool(rows))
-        return 0
 
-    per_case = len(args.models) * len(args.sizes) * len(args.ratios) * len(names)
+
+def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, dtype: torch.dtype, command: str,
+                cap: float) -> int:
+    """Fidelity and speed on a trained model, at each size."""
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
+    racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
+                              "tomesd" in names, "ideal" in names)
+    print(f"# ToMe benchmark: {pipe.name}, {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP "
+          f"attention, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, methods: "
+          f"{', '.join(names)}")
+    print(command)
+    for note in pipe.notes:
+        print(f"# note: {note}")
+    if "tomesd" in names and args.fidelity:
+        print("# tomesd draws its random partition from a generator forked off torch's global RNG at its first "
+              f"call; the global RNG is seeded ({args.seed}) before each sampling run, so its pictures repeat")
+    _cap_lines(args, cap)
+    sampled = racers - ("ideal" in names) * len(jobs.effective_ratios(args.ratios))
+    total = len(args.sizes) * ((args.repeats + 1) * racers + sampled * args.fidelity)
+    setup = Setup(device, dtype, progress_bar(total, not args.quiet))
+    cases, pictures = [], []
+    for size in args.sizes:
+        case, pics = jobs.bench_pipeline(args, setup, at_size(pipe, size), size)
+        cases.append(case)
+        pictures.append(pics)
+    setup.progress.close()
+    on_tensors = pictures[0].on_tensors if pictures[0] is not None else None
+    print("\n" + table(cases, f"{pipe.label}: speed and fidelity, one U-Net call and {args.steps} Euler steps",
+                       fidelity_note(on_tensors, args)))
+    busy = finish(args, case_timings(cases, "U-Net"), setup.load(), True)
+    if args.sheet and pictures[0] is not None:
+        from .sheet import write_case_sheet
+
+        for case, pics in zip(cases, pictures):
+            path = _per_size(args.sheet, case.size, len(cases))
+            what = "sampled tensors (no decoder)" if pics.on_tensors else "images"
+            write_case_sheet(path, case, pics, f"{pipe.label}, {case.size} px, {args.steps} Euler steps, seed "
+                             f"{args.seed}: {what}; caption: setting, speed-up, PSNR, SSIM")
+            print(f"side-by-side images written to {path}")
+    if args.plot:
+        from .chart import write_speed_chart, write_tradeoff_chart
+
+        title = (f"{pipe.label}: speed-up of one U-Net call (batch {args.batch}, {dtype_name(dtype)}) against PSNR "
+                 f"after {args.steps} Euler steps from seed {args.seed}\n{hardware(device)}")
+        if on_tensors is None:
+            write_speed_chart(cases, args.plot, title, busy)
+        else:
+            write_tradeoff_chart(cases, args.plot, title, busy)
+        print(f"chart written to {args.plot}")
+    return 0
+
+
+def at_size(pipe: Pipeline, size: int) -> Pipeline:
+    """``pipe`` conditioned for ``size`` × ``size`` px where its conditioning says a size (SDXL's vector
+    conditioning, as the webui sets it per generation), through ``checkpoint.at_size`` where this build has it."""
+    from . import checkpoint
+
+    resize = getattr(checkpoint, "at_size", None)
+    return pipe if resize is None or pipe.y is None else resize(pipe, size, size)
+
+
+def _per_size(path: str, size: int, count: int) -> str:
+    if count == 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}-{size}px{ext or '.png'}"
+
+
+def run_architectures(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, command: str,
+                      cap: float) -> int:
+    """The webui's architectures with random weights: speed only."""
+    if args.sizes is None:
+        args.sizes = [512, 768] if device.type == "cpu" else [512, 768, 1024]
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
+    print(f"# ToMe benchmark: {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP attention, "
+          f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, "
+          f"methods: {', '.join(names)}; random weights: speed only")
+    print(command)
+    _cap_lines(args, cap)
+    racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
+                              "tomesd" in names, "ideal" in names)
+    per_case = len(args.models) * len(args.sizes) * racers
     total = per_case * ((args.repeats + 1) * ("unet" not in args.skip)
                         + (max(args.repeats, CHEAP_ROUNDS) + 1) * ("block" not in args.skip))
     total += (CHEAP_ROUNDS + 1) * (1 + ("tomesd" in names)) * ("overhead" not in args.skip)
     setup = Setup(device, dtype, progress_bar(total, not args.quiet))
-    block_rows = jobs.bench_block(args, setup) if "block" not in args.skip else []
-    unet_rows = jobs.bench_unet(args, setup) if "unet" not in args.skip else []
+    block_cases = jobs.bench_block(args, setup) if "block" not in args.skip else []
+    unet_cases = jobs.bench_unet(args, setup) if "unet" not in args.skip else []
     overhead = None
     if "overhead" not in args.skip:
         setup.progress.set_postfix_str("merge overhead")
@@ -250,12 +475,12 @@ def main(argv: list[str] | None = None) -> int:
         setup.loads.append(("merge overhead", watch.others()))
     setup.progress.close()
     timings = []
-    if block_rows:
-        print("\n" + speed_table(block_rows, "One highest-resolution transformer"))
-        timings += row_timings(block_rows, "block")
-    if unet_rows:
-        print("\n" + speed_table(unet_rows, "Whole U-Net step"))
-        timings += row_timings(unet_rows, "U-Net")
+    if block_cases:
+        print("\n" + table(block_cases, "One highest-resolution transformer", RANDOM_NOTE))
+        timings += case_timings(block_cases, "block")
+    if unet_cases:
+        print("\n" + table(unet_cases, "Whole U-Net step", RANDOM_NOTE))
+        timings += case_timings(unet_cases, "U-Net")
     if overhead is not None:
         print("\n## Merge overhead: find + merge + unmerge of (2, 4096, 320), ratio 0.5\n")
         print("What the ideal skips, and so where a method's share of the ideal's gain goes: median ms over "
@@ -273,14 +498,15 @@ def main(argv: list[str] | None = None) -> int:
         theirs = peak_memory("tomesd", args.memory_size, 320, 2, dtype, device) if "tomesd" in names else None
         fmt = lambda v: f"{v / 2 ** 20:,.0f}" if v is not None else "–"  # noqa: E731
         print(f"| {fmt(ours)} | {fmt(theirs)} |")
-    busy = finish(args, timings, setup.load(), bool(unet_rows))
-    chart_rows = unet_rows or block_rows
-    if args.plot and chart_rows:
-        what = "U-Net step" if unet_rows else "one top transformer"
-        ratios = "/".join(f"{r:.2f}" for r in sorted({row.ratio for row in chart_rows}))
-        title = (f"{what} speed-up over no ToMe: {dtype_name(dtype)}, SDP attention, batch {args.batch}, "
-                 f"width {args.width:g}, ratio {ratios}\n{hardware(device)}; bars: median, whiskers: spread")
-        write_chart(chart_rows, args.plot, title, f"{what} speed-up over no ToMe", busy)
+    busy = finish(args, timings, setup.load(), bool(unet_cases))
+    chart_cases = unet_cases or block_cases
+    if args.plot and chart_cases:
+        from .chart import write_speed_chart
+
+        what = "U-Net step" if unet_cases else "one top transformer"
+        title = (f"{what} speed-up over no merging: {dtype_name(dtype)}, SDP attention, batch {args.batch}, "
+                 f"width {args.width:g}; bars: median, whiskers: spread\n{hardware(device)}")
+        write_speed_chart(chart_cases, args.plot, title, busy)
         print(f"\nchart written to {args.plot}")
     return 0
 

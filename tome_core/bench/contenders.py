@@ -3,6 +3,8 @@
 - ``none``: the model as it is.
 - ``ours``: ``tome_core.apply_patch``.
 - ``tomesd``: tomesd 0.1.3 with the same options (when installed).
+- ``ToDo``: ours with ``method="todo"``: self-attention's keys and values from a grid downsampled by a factor f
+  per side (1/f² of them), queries whole.
 - ``ideal``: the blocks ours patches run self-attention on the N − r tokens it would keep, but chosen for
   free: the first N − r, no similarity, no matching, no merge; the output goes back to N tokens by a repeat.
   No merging method can be faster, so (speed-up − 1) / (ideal − 1) is the share of what merging can give
@@ -32,6 +34,9 @@ class Contender:
     name: str
     apply: Callable[[nn.Module], None]
     remove: Callable[[nn.Module], None]
+    method: str = ""  # what the tables call it: "none", "ToMe", "ToDo", "tomesd", "ideal"
+    setting: str = ""  # its setting as the tables show it: "0.50" (a ratio), "f=2" (ToDo's factor)
+    ideal: str | None = None  # the name of the ideal whose gain this contender's share is taken of
 
 
 class Wrapped(nn.Module):
@@ -152,4 +157,48 @@ def contenders(ratio: float, use_rand: bool, max_downsample: int | None, tomesd_
     if with_ideal:
         ideal = IdealPatch(ratio, max_downsample)
         out.append(Contender("ideal", ideal.apply, ideal.remove))
+    return out
+
+
+def setting_name(method: str, setting: str) -> str:
+    """A contender's unique name in a roster."""
+    return method if method == "none" else f"{method} {setting}"
+
+
+def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = True, seed: int = 0,
+           max_downsample: int | None = None, tomesd_max_downsample: int = 1, with_tomesd: bool = True,
+           with_ideal: bool = True, tomesd_setup: Callable[[nn.Module], None] | None = None) -> list[Contender]:
+    """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; tomesd at
+    each ratio (when installed and wanted, with the same options); the ideal at each ratio.
+
+    ToMe's and ToDo's random partition is keyed on ``seed``. tomesd draws its partition from a generator it
+    forks off torch's global RNG at its first call: seed the global RNG before a run to make it repeatable.
+    Ratios are the ones used (above the stride's cap, the cap).
+    """
+    def labelled(method: str, setting: str, apply, remove, ideal: str | None = None) -> Contender:
+        return Contender(setting_name(method, setting), apply, remove, method, setting, ideal)
+
+    out = [labelled("none", "–", lambda m: None, lambda m: None)]
+    ideal_of = (lambda r: setting_name("ideal", f"{r:.2f}")) if with_ideal else (lambda r: None)
+    for ratio in ratios:
+        out.append(labelled("ToMe", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
+            m, ratio=r, max_downsample=max_downsample, use_rand=use_rand, seed=seed), tome_core.remove_patch,
+            ideal_of(ratio)))
+    for factor in todo_factors:
+        out.append(labelled("ToDo", f"f={factor}", lambda m, f=factor: tome_core.apply_patch(
+            m, method="todo", todo_factor=f, max_downsample=max_downsample, seed=seed), tome_core.remove_patch))
+    if with_tomesd and tomesd_available():
+        import tomesd
+
+        for ratio in ratios:
+            def apply_tomesd(m: nn.Module, r: float = ratio) -> None:
+                tomesd.apply_patch(m, ratio=r, max_downsample=tomesd_max_downsample, use_rand=use_rand)
+                if tomesd_setup is not None:
+                    tomesd_setup(m)
+
+            out.append(labelled("tomesd", f"{ratio:.2f}", apply_tomesd, tomesd.remove_patch, ideal_of(ratio)))
+    if with_ideal:
+        for ratio in ratios:
+            patch = IdealPatch(ratio, max_downsample)
+            out.append(labelled("ideal", f"{ratio:.2f}", patch.apply, patch.remove))
     return out

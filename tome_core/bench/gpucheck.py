@@ -1,10 +1,11 @@
 """One-call GPU check: ``python -m tome_core.gpucheck`` (about a minute on an H200; the timing is bounded by
 ``--budget``).
 
-fp16 with SDP attention: SD 1.5 at 512, 1024 and 2048 px and SDXL at 1024 px, whole U-Net step, no ToMe, ours,
-tomesd (when installed) and the ideal in interleaved rounds at ratio 0.5, with each one's defaults except that
+fp16 with SDP attention: SD 1.5 at 512, 1024 and 2048 px and SDXL at 1024 px, whole U-Net step, no merging,
+ToMe, ToDo (factor 2), tomesd (when installed) and the ideal in interleaved rounds at ratio 0.5, with each one's defaults except that
 tomesd is given the SDXL level ours picks; then the int32 index path against the int64 path on the same
-device, and a check that a patched U-Net call makes no host-device sync. Prints markdown. Each case gets an
+device, a check that a patched U-Net call makes no host-device sync, and speed with fidelity (PSNR, SSIM after
+``--steps`` Euler steps) of every method on the shipped proxy. Prints markdown. Each case gets an
 equal share of ``--budget`` seconds of timing: it runs at least 3 rounds, and no new round once its share is
 spent, so the whole check stays bounded.
 
@@ -26,15 +27,19 @@ import tome_core
 
 from . import archs
 from .archs import top_grid
-from .cli import OneLineParser, UsageError, load_line, pick_device
-from .contenders import Wrapped, contenders
-from .jobs import Setup, contender_names, dtype_name, hardware, race
-from .report import Row, find_busy, row_timings, speed_table_head, speed_table_line
+from .cli import RANDOM_NOTE, OneLineParser, UsageError, load_line, pick_device
+from .contenders import Wrapped, roster
+from .jobs import Setup, contender_names, dtype_name, entries, hardware, race, roster_size
+from .report import Case, case_lines, case_timings, find_busy, table, table_head
 from .timing import progress_bar
 
 PROG = "python -m tome_core.gpucheck"
 CASES = (("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024))
 RATIO = 0.5
+TODO_FACTOR = 2
+# The fidelity section on the shipped proxy: ToMe and tomesd at these ratios, ToDo at these factors.
+PROXY_RATIOS = (0.3, 0.5, 0.7)
+PROXY_TODO_FACTORS = (2, 3, 4)
 
 
 def same_plans(device: torch.device, dtype: torch.dtype) -> bool:
@@ -92,6 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="seconds of timing for all cases together, shared equally (default 240); each case "
                          "still runs at least 3 rounds")
     ap.add_argument("--scale", type=float, default=1.0, help="scale every image size (for small runs)")
+    ap.add_argument("--steps", type=int, default=20,
+                    help="Euler steps of the fidelity run on the shipped proxy (default 20; 0 skips it)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
 
@@ -106,6 +113,8 @@ def check_args(args: argparse.Namespace) -> list[tuple[str, int]]:
         raise UsageError(f"--width {args.width:g}: a channel scale must be a positive number")
     if not args.scale > 0:
         raise UsageError(f"--scale {args.scale:g}: must be a positive number")
+    if args.steps < 0:
+        raise UsageError(f"--steps {args.steps}: must be 0 (skip the fidelity run) or more")
     cases = [(arch, int(size * args.scale) // 8 * 8) for arch, size in CASES]
     for arch, size in cases:
         if top_grid(size, archs.top_attention_level(arch)) < 2:
@@ -133,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     names = contender_names()
     print(f"# GPU check: {hardware(device)}, {dtype_name(dtype)}, SDP attention, batch 2, width {args.width:g}, "
-          f"ratio {RATIO}, contenders: {', '.join(names)}\n")
-    setup = Setup(device, dtype, progress_bar(len(cases) * len(names) * (args.repeats + 1), not args.quiet))
-    print(speed_table_head("Whole U-Net step", f"3 to {args.repeats}" if args.repeats > 3 else str(args.repeats)))
+          f"ToMe ratio {RATIO}, ToDo factor {TODO_FACTOR}, methods: {', '.join(names)}\n")
+    racer_count = roster_size(1, 1, "tomesd" in names, "ideal" in names)
+    setup = Setup(device, dtype, progress_bar(len(cases) * racer_count * (args.repeats + 1), not args.quiet))
+    print(table_head("Whole U-Net step, random weights",
+                     f"3 to {args.repeats}" if args.repeats > 3 else str(args.repeats), RANDOM_NOTE))
     rows = []
     budget = args.budget / len(cases)
     for arch in dict.fromkeys(arch for arch, _ in cases):
@@ -147,18 +158,19 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(2, 4, size // 8, size // 8, generator=gen).to(device, dtype)
             ctx = [torch.randn(2, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
             t = torch.full((2,), 500.0, device=device)
-            racers = contenders(RATIO, True, None, 2 ** archs.top_attention_level(arch))
+            racers = roster([RATIO], [TODO_FACTOR], tomesd_max_downsample=2 ** archs.top_attention_level(arch))
+            ops: dict = {}
             ms = race(f"{arch} {size} px", wrapped, lambda: unet(x, t, context=ctx), racers, setup, args.repeats,
-                      budget)
-            rows.append(Row(arch, size, RATIO, ms))
-            print(speed_table_line(rows[-1]), flush=True)
+                      budget, ops)
+            rows.append(Case(arch, size, entries(racers), ms, None, ops))
+            print("\n".join(case_lines(rows[-1])), flush=True)
         unet = wrapped = None  # free this model before the next one is built
         gc.collect()
     setup.progress.close()
     line = load_line(setup.load())
     if line:
         print("\n" + line)
-    busy = find_busy(row_timings(rows, "U-Net"), setup.load())
+    busy = find_busy(case_timings(rows, "U-Net"), setup.load())
     if busy:
         print("\n" + busy.line(f"more rounds and a longer budget (--repeats {2 * args.repeats} --budget "
                                f"{2 * args.budget:g}), or a GPU no other process is using"))
@@ -190,5 +202,40 @@ def main(argv: list[str] | None = None) -> int:
           f"= {diff:.3g}, {relative:.2g} of the largest output ({verdict})")
     if device.type == "cuda":
         print(f"\nhost-device syncs in one U-Net call: {sync_check(unet, x, t, ctx)}")
+    unet = None
+    gc.collect()
+    if args.steps:
+        proxy_fidelity(args, device, dtype)
     print(f"\n_total {time.time() - t0:.0f} s_")
     return 0
+
+
+def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    """Speed and fidelity of every method on the shipped proxy at its evaluation size: the trained model's
+    counterpart of the random-weight table above (a few seconds on a GPU)."""
+    from .cli import default_sizes, fidelity_note, load_proxy_pipeline
+    from .jobs import bench_pipeline
+
+    try:
+        pipe = load_proxy_pipeline(device, dtype)
+    except UsageError as error:
+        print(f"\nfidelity: no figure, the proxy did not load: {error}")
+        return
+    if pipe is None:
+        print("\nfidelity: the shipped proxy model is not in this build, so no fidelity figure")
+        return
+    size = default_sizes(pipe)[0]
+    run = argparse.Namespace(ratios=list(PROXY_RATIOS), todo_factors=list(PROXY_TODO_FACTORS), no_rand=False,
+                             seed=0, max_downsample=None, no_tomesd=False, no_ideal=False, fidelity=True,
+                             steps=args.steps, images=4 if device.type == "cuda" else 1, batch=2,
+                             repeats=min(args.repeats, 10))  # the small CPU run checks the script, with 1 image
+    names = contender_names()
+    racers = roster_size(len(PROXY_RATIOS), len(PROXY_TODO_FACTORS), "tomesd" in names, "ideal" in names)
+    setup = Setup(device, dtype, progress_bar(racers * (run.repeats + 2), not args.quiet))
+    case, pictures = bench_pipeline(run, setup, pipe, size)
+    setup.progress.close()
+    print("\n" + table([case], f"{pipe.label}: speed and fidelity at {size} px", fidelity_note(pictures.on_tensors,
+                                                                                               run)))
+    busy = find_busy(case_timings([case], "U-Net"), setup.load())
+    if busy:
+        print("\n" + busy.line("more rounds (--repeats), or a GPU no other process is using"))

@@ -1,5 +1,6 @@
-"""The measurements themselves: a whole U-Net step, one top transformer alone, a real checkpoint's U-Net; each
-case raced in interleaved rounds while a watch counts the cores other processes take."""
+"""The measurements themselves: a whole U-Net step, one top transformer alone, a trained model's pictures and
+speed; each case raced in interleaved rounds while a watch counts the cores other processes take, every
+method at every setting together."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-import tome_core
 from tome_core.options import effective_ratio
 
+from tome_core.patch import transformer_levels
+
 from . import archs
-from .checkpoint import relative_l2
-from .contenders import Contender, Wrapped, contenders, tomesd_available
-from .report import Load, Row, worst_load
+from .contenders import Contender, Wrapped, roster, tomesd_available
+from .fidelity import Pictures, sample_pictures
+from .opcount import OpCount, count_ops, ops_per_block
+from .pipeline import Pipeline
+from .report import Case, Entry, Load, worst_load
 from .timing import CpuWatch, Spread, interleaved_rounds, model_timer, spreads
 
 STRIDE = 2  # sx = sy = 2, the default of ours and tomesd
@@ -52,9 +56,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def contender_names(with_tomesd: bool = True, with_ideal: bool = True) -> list[str]:
-    """The contenders a run will race, in their order."""
-    return (["none", "ours"] + (["tomesd"] if with_tomesd and tomesd_available() else [])
+    """The methods a run will race, in their order."""
+    return (["none", "ToMe", "ToDo"] + (["tomesd"] if with_tomesd and tomesd_available() else [])
             + (["ideal"] if with_ideal else []))
+
+
+def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True) -> int:
+    """How many contenders a roster of ``ratios`` ratios and ``todo_factors`` factors holds."""
+    names = contender_names(with_tomesd, with_ideal)
+    return 1 + ratios * (1 + ("tomesd" in names) + ("ideal" in names)) + todo_factors
 
 
 def inputs(batch: int, channels: int, side: int, ctx_dim: int, depth: int, device: torch.device,
@@ -67,42 +77,78 @@ def inputs(batch: int, channels: int, side: int, ctx_dim: int, depth: int, devic
 
 
 def race(label: str, model: nn.Module, call: Callable[[], object], racers: list[Contender], setup: Setup,
-         rounds: int, budget_s: float | None = None) -> dict[str, Spread]:
-    """Each contender's ms per ``call()`` over interleaved rounds; notes the cores others used meanwhile."""
+         rounds: int, budget_s: float | None = None, ops: dict[str, float | None] | None = None
+         ) -> dict[str, Spread]:
+    """Each contender's ms per ``call()`` over interleaved rounds; notes the cores others used meanwhile.
+
+    With ``ops``, each contender's warm-up call is made under an op counter instead (its result is not timed
+    either way) and ``ops`` gets the torch calls a patched block adds, by contender name.
+    """
     setup.progress.set_postfix_str(label)
     watch = CpuWatch()
     timer = model_timer(model, call, racers, setup.device)
-    samples = interleaved_rounds([c.name for c in racers], timer, rounds, budget_s=budget_s,
+    counts: dict[str, OpCount] = {}
+    by_name = {c.name: c for c in racers}
+
+    def time_one(name: str) -> float:
+        if ops is None or name in counts:
+            return timer(name)
+        racer = by_name[name]
+        racer.apply(model)
+        try:
+            counts[name] = count_ops(model, call)
+        finally:
+            racer.remove(model)
+        return 0.0
+
+    samples = interleaved_rounds([c.name for c in racers], time_one, rounds, budget_s=budget_s,
                                  on_call=lambda name: setup.progress.update())
     setup.loads.append((label, watch.others()))
+    if ops is not None and "none" in counts:
+        ops.update({name: ops_per_block(counts["none"], count) for name, count in counts.items()
+                    if name != "none"})
     return spreads(samples)
 
 
-def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = None) -> list[Row]:
-    """One Row per (model, size, ratio): a whole U-Net step (B latents, one timestep, a context)."""
-    rows = []
+def effective_ratios(ratios: list[float]) -> list[float]:
+    """The ratios used (the stride's cap above it), each once, in the order given."""
+    return list(dict.fromkeys(effective_ratio(r, STRIDE, STRIDE) for r in ratios))
+
+
+def entries(racers: list[Contender]) -> list[Entry]:
+    return [Entry(c.name, c.method, c.setting, c.ideal) for c in racers]
+
+
+def racers_for(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_setup=None) -> list[Contender]:
+    return roster(effective_ratios(args.ratios), args.todo_factors, use_rand=not args.no_rand, seed=args.seed,
+                  max_downsample=args.max_downsample, tomesd_max_downsample=tomesd_max_downsample,
+                  with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup)
+
+
+def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = None) -> list[Case]:
+    """One Case per (model, size): a whole U-Net step (B latents, one timestep, a context), every method and
+    setting raced together."""
+    cases = []
     for arch in args.models:
         unet, ctx_dim = archs.build_unet(arch, setup.device, setup.dtype, args.width)
         wrapped = Wrapped(unet)
         for size in args.sizes:
             x, ctx = inputs(args.batch, 4, size // 8, ctx_dim, archs.unet_depth(unet), setup.device, setup.dtype)
             t = torch.full((args.batch,), 500.0, device=setup.device)
-            for ratio in args.ratios:
-                # On SDXL, give tomesd the level ours picks automatically, so the race is fair.
-                tomesd_md = args.max_downsample or 2 ** archs.top_attention_level(arch)
-                racers = contenders(ratio, not args.no_rand, args.max_downsample, tomesd_md,
-                                    with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal)
-                ms = race(f"U-Net {arch} {size} px r={ratio:g}", wrapped, lambda: unet(x, t, context=ctx), racers,
-                          setup, args.repeats, budget_s)
-                rows.append(Row(arch, size, effective_ratio(ratio, STRIDE, STRIDE), ms))
+            # On SDXL, give tomesd the level ours picks automatically, so the race is fair.
+            racers = racers_for(args, args.max_downsample or 2 ** archs.top_attention_level(arch))
+            ops: dict[str, float | None] = {}
+            ms = race(f"U-Net {arch} {size} px", wrapped, lambda: unet(x, t, context=ctx), racers, setup,
+                      args.repeats, budget_s, ops)
+            cases.append(Case(arch, size, entries(racers), ms, None, ops))
         unet = wrapped = None  # free this model before the next one is built
         gc.collect()
-    return rows
+    return cases
 
 
-def bench_block(args: argparse.Namespace, setup: Setup) -> list[Row]:
-    """One Row per (model, size, ratio): the first transformer of the highest-resolution attention level alone."""
-    rows = []
+def bench_block(args: argparse.Namespace, setup: Setup) -> list[Case]:
+    """One Case per (model, size): the first transformer of the highest-resolution attention level alone."""
+    cases = []
     for arch in args.models:
         unet, ctx_dim = archs.build_unet(arch, setup.device, setup.dtype, args.width)
         transformer, down = archs.top_transformer(unet)
@@ -113,56 +159,42 @@ def bench_block(args: argparse.Namespace, setup: Setup) -> list[Row]:
             grid = archs.top_grid(size, int(math.log2(down)))
             x, ctx = inputs(args.batch, archs.transformer_channels(transformer), grid, ctx_dim, depth,
                             setup.device, setup.dtype)
-            for ratio in args.ratios:
-                def tell_tomesd_the_grid(model, grid=grid):
-                    # tomesd learns the latent size from a U-Net pre-hook, which a lone block does not have.
-                    transformer._tome_info["size"] = (grid, grid)
 
-                racers = contenders(ratio, not args.no_rand, None, 8, with_tomesd=not args.no_tomesd,
-                                    with_ideal=not args.no_ideal, tomesd_setup=tell_tomesd_the_grid)
-                ms = race(f"block {arch} {size} px r={ratio:g}", wrapped, lambda: transformer(x, context=ctx),
-                          racers, setup, max(args.repeats, CHEAP_ROUNDS))
-                rows.append(Row(arch, size, effective_ratio(ratio, STRIDE, STRIDE), ms))
-    return rows
+            def tell_tomesd_the_grid(model, grid=grid):
+                # tomesd learns the latent size from a U-Net pre-hook, which a lone block does not have.
+                transformer._tome_info["size"] = (grid, grid)
 
-
-@dataclass
-class CheckpointRow:
-    ratio: float  # the ratio used
-    ms: Spread
-    speedup: float
-    errors: list[float]  # relative L2 of the prediction per timestep
+            racers = racers_for(args, 8, tell_tomesd_the_grid)
+            ops: dict[str, float | None] = {}
+            ms = race(f"block {arch} {size} px", wrapped, lambda: transformer(x, context=ctx), racers, setup,
+                      max(args.repeats, CHEAP_ROUNDS), ops=ops)
+            cases.append(Case(arch, size, entries(racers), ms, None, ops))
+    return cases
 
 
-TIMESTEPS = (999.0, 749.0, 499.0, 249.0)
-
-
-def bench_checkpoint(args: argparse.Namespace, setup: Setup, unet: nn.Module, context_dim: int
-                     ) -> tuple[Spread, list[CheckpointRow]]:
-    """No ToMe's ms per U-Net call, and per ratio: ms (raced in interleaved rounds with no ToMe and the other
-    ratios) and the relative L2 distance of the patched prediction from the unpatched one on fixed noise at
-    ``TIMESTEPS``."""
-    size = args.sizes[0]
-    x, ctx = inputs(args.batch, unet.in_channels, size // 8, context_dim, archs.unet_depth(unet), setup.device,
-                    setup.dtype)
-    at = {t: torch.full((args.batch,), t, device=setup.device) for t in TIMESTEPS}
-    errors = {}
-    with torch.no_grad():
-        reference = {t: unet(x, at[t], context=ctx) for t in TIMESTEPS}
-        for ratio in args.ratios:
-            tome_core.apply_patch(unet, ratio=ratio, max_downsample=args.max_downsample, use_rand=not args.no_rand)
-            try:
-                errors[ratio] = [relative_l2(unet(x, at[t], context=ctx), reference[t]) for t in TIMESTEPS]
-            finally:
-                tome_core.remove_patch(unet)
-
-    def ours_at(ratio: float) -> Contender:
-        return Contender(f"ratio {ratio:g}", lambda m: tome_core.apply_patch(
-            m, ratio=ratio, max_downsample=args.max_downsample, use_rand=not args.no_rand), tome_core.remove_patch)
-
-    racers = [Contender("none", lambda m: None, lambda m: None)] + [ours_at(r) for r in args.ratios]
-    ms = race(f"checkpoint {size} px", unet, lambda: unet(x, at[499.0], context=ctx), racers, setup, args.repeats)
-    base = ms["none"]
-    rows = [CheckpointRow(effective_ratio(r, STRIDE, STRIDE), ms[f"ratio {r:g}"],
-                          base.median / ms[f"ratio {r:g}"].median, errors[r]) for r in args.ratios]
-    return base, rows
+def bench_pipeline(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size: int
+                   ) -> tuple[Case, Pictures | None]:
+    """A trained model at ``size`` px: with ``args.fidelity``, ``args.steps`` Euler steps from the same noise
+    with no merging and each contender, compared by PSNR and SSIM; then a U-Net call at batch ``args.batch``
+    with its empty-prompt conditioning raced as in ``bench_unet``."""
+    unet = pipe.unet
+    wrapped = Wrapped(unet)
+    level = min((lv for _, _, lv in transformer_levels(unet)), default=0)
+    racers = racers_for(args, args.max_downsample or 2 ** level)
+    pictures = None
+    if args.fidelity:
+        setup.progress.set_postfix_str(f"sampling {size} px, {args.steps} steps")
+        pictures = sample_pictures(pipe, racers, size, args.steps, args.seed, args.images, setup.device,
+                                   on_done=lambda name: setup.progress.update())
+    side = size // pipe.downscale
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(args.batch, pipe.channels, side, side, generator=gen).to(setup.device, setup.dtype)
+    t = torch.full((args.batch,), 500, device=setup.device, dtype=torch.long)
+    kwargs = {"context": pipe.context.to(setup.device, setup.dtype).expand(args.batch, *pipe.context.shape[1:])}
+    if pipe.y is not None:
+        kwargs["y"] = pipe.y.to(setup.device, setup.dtype).expand(args.batch, *pipe.y.shape[1:])
+    ops: dict[str, float | None] = {}
+    ms = race(f"{pipe.label} {size} px", wrapped, lambda: unet(x, t, **kwargs), racers, setup, args.repeats,
+              ops=ops)
+    fidelity = pictures.fidelity() if pictures is not None else None
+    return Case(pipe.label, size, entries(racers), ms, fidelity, ops), pictures

@@ -37,6 +37,8 @@ class Pipeline:
     decode: sampled tensor (B, channels, h, w) -> image (B, 3, h·downscale, w·downscale) in [0, 1]; None when
         the file has no decoder (fidelity is then measured on the sampled tensors).
     alphas_cumprod: (1000,) float64 cumulative alphas of the discrete schedule.
+    size: the image side in px the model is meant to be evaluated at (the proxy's 64), or None for SD's own
+        (512 px for SD 1.x/2.x, 1024 for SDXL).
     """
 
     name: str
@@ -49,3 +51,9 @@ class Pipeline:
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None
     alphas_cumprod: torch.Tensor = field(default_factory=sd_alphas_cumprod)
     notes: list[str] = field(default_factory=list)  # one line each, for the report (e.g. "no VAE: latents")
+    size: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The name up to its first bracket ("proxy (pixel-space ...)" -> "proxy"), for tables and charts."""
+        return self.name.split(" (")[0].strip() or self.name

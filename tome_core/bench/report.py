@@ -1,8 +1,10 @@
 """What the user reads: markdown tables with medians and spreads, each method's share of the ideal's gain, one
-warning line when the machine was too busy for the figures to hold, and a chart that shows the same."""
+warning line when the machine was too busy for the figures to hold. Every contender is one line, its speed
+beside its fidelity."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -13,7 +15,6 @@ from .timing import Spread
 BUSY_SPREAD = 0.10
 # Below this gain of the ideal a share is a quotient of two small, noisy numbers: it is left out.
 MIN_IDEAL_GAIN = 0.05
-METHODS = ("ours", "tomesd")
 
 
 def share_of_ideal(speedup: float, ideal: float) -> float | None:
@@ -27,17 +28,38 @@ def share_of_ideal(speedup: float, ideal: float) -> float | None:
     return (speedup - 1.0) / (ideal - 1.0)
 
 
+@dataclass(frozen=True)
+class Fidelity:
+    """How far a contender's final picture moved from the unmerged one's (same noise, same steps)."""
+
+    psnr: float  # dB, inf when identical
+    ssim: float  # 1 when identical
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A contender as the tables show it (see ``contenders.Contender``)."""
+
+    name: str
+    method: str
+    setting: str
+    ideal: str | None = None
+
+
 @dataclass
-class Row:
-    """One measured case: ``ms`` holds each contender's milliseconds per call; ``ratio`` is the one used."""
+class Case:
+    """One model at one size, every contender raced together: ``ms`` by contender name; ``fidelity`` and
+    ``ops`` (torch calls a patched block adds) by name where measured."""
 
     model: str
     size: int
-    ratio: float
+    entries: list[Entry]
     ms: dict[str, Spread] = field(default_factory=dict)
+    fidelity: dict[str, Fidelity] | None = None  # None: not measured (random weights, or --no-fidelity)
+    ops: dict[str, float | None] = field(default_factory=dict)
 
     def speedup(self, name: str) -> float | None:
-        """Median of no ToMe over median of ``name``."""
+        """Median of no merging over median of ``name``."""
         if name not in self.ms or "none" not in self.ms:
             return None
         return self.ms["none"].median / self.ms[name].median
@@ -51,13 +73,16 @@ class Row:
         return base.q1 / other.q3, base.q3 / other.q1
 
     def share(self, name: str) -> float | None:
-        """``share_of_ideal`` of ``name``; None also when the ideal gains less than ``MIN_IDEAL_GAIN`` or nothing
-        beyond its spread (its low end, none's first quartile over the ideal's third, is not above 1): a share
-        of such a gain would be noise."""
-        speedup, ideal = self.speedup(name), self.speedup("ideal")
+        """``share_of_ideal`` of ``name`` against its own ideal; None where it has none, when the ideal gains less
+        than ``MIN_IDEAL_GAIN`` or nothing beyond its spread (its low end, none's first quartile over the
+        ideal's third, is not above 1): a share of such a gain would be noise."""
+        entry = next((e for e in self.entries if e.name == name), None)
+        if entry is None or entry.ideal is None:
+            return None
+        speedup, ideal = self.speedup(name), self.speedup(entry.ideal)
         if speedup is None or ideal is None:
             return None
-        if ideal < 1.0 + MIN_IDEAL_GAIN or self.speedup_range("ideal")[0] <= 1.0:
+        if ideal < 1.0 + MIN_IDEAL_GAIN or self.speedup_range(entry.ideal)[0] <= 1.0:
             return None
         return share_of_ideal(speedup, ideal)
 
@@ -74,32 +99,56 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.0%}"
 
 
-def speed_table_head(title: str, rounds: str) -> str:
-    """A markdown section's title, legend and table head; ``rounds`` says how many rounds (e.g. "5")."""
+def psnr_cell(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return "∞" if math.isinf(value) else f"{value:.1f}"
+
+
+def table_head(title: str, rounds: str, fidelity_note: str) -> str:
+    """A markdown section's title, legend and table head; ``rounds`` says how many rounds (e.g. "5");
+    ``fidelity_note`` what the PSNR and SSIM columns compare (or why they are empty)."""
     return "\n".join([
         f"## {title}", "",
         f"Median ms per call over {rounds} interleaved rounds, (spread) = interquartile range / median; "
-        f"speed-up = none / method; share = (speed-up − 1) / (ideal − 1), – where the ideal gains under "
-        f"{MIN_IDEAL_GAIN:.0%} or nothing beyond its spread.", "",
-        "| model | px | ratio | none ms | ours ms | tomesd ms | ideal ms | ours | tomesd | ideal "
-        "| ours share | tomesd share |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"])
+        f"speed-up = none / method; share = (speed-up − 1) / (ideal − 1) against the ideal at the same ratio, "
+        f"– where the ideal gains under {MIN_IDEAL_GAIN:.0%} or nothing beyond its spread; ops/block = torch "
+        f"calls a patched transformer block adds. {fidelity_note}", "",
+        "| model | px | method | setting | ms | speed-up | share | PSNR dB | SSIM | ops/block |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"])
 
 
-def speed_table_line(row: Row) -> str:
-    """One table line: ms per contender, speed-ups over no ToMe, shares of the ideal's gain ("–": not run)."""
-    cells = [row.model, str(row.size), f"{row.ratio:.2f}"]
-    cells += [ms_cell(row.ms.get(name)) for name in ("none", "ours", "tomesd", "ideal")]
-    cells += [_x(row.speedup(name)) for name in ("ours", "tomesd", "ideal")]
-    cells += [_pct(row.share(name)) for name in METHODS]
+def table_line(case: Case, entry: Entry) -> str:
+    """One line: a contender's ms, speed-up, share, fidelity and added ops ("–": not measured or not apt)."""
+    fid = None if case.fidelity is None else case.fidelity.get(entry.name)
+    ops = case.ops.get(entry.name)
+    if entry.method == "none":
+        ops_cell = "0" if case.ops else "–"
+    else:
+        ops_cell = "–" if ops is None else f"{ops:.0f}"
+    cells = [case.model, str(case.size), entry.method, entry.setting, ms_cell(case.ms.get(entry.name)),
+             _x(case.speedup(entry.name)), _pct(case.share(entry.name)),
+             psnr_cell(fid.psnr if fid else None), "–" if fid is None else f"{fid.ssim:.3f}", ops_cell]
     return "| " + " | ".join(cells) + " |"
 
 
-def speed_table(rows: list[Row], title: str) -> str:
-    """A markdown section: ms per call (median, spread), speed-ups, and shares of the ideal's gain."""
-    rounds = sorted({s.rounds for row in rows for s in row.ms.values()})
-    counted = f"{rounds[0]}" if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
-    return "\n".join([speed_table_head(title, counted)] + [speed_table_line(row) for row in rows])
+def case_lines(case: Case) -> list[str]:
+    return [table_line(case, entry) for entry in case.entries]
+
+
+def rounds_text(cases: list[Case]) -> str:
+    rounds = sorted({s.rounds for case in cases for s in case.ms.values()})
+    if not rounds:
+        return "0"
+    return f"{rounds[0]}" if len(rounds) == 1 else f"{rounds[0]}-{rounds[-1]}"
+
+
+def table(cases: list[Case], title: str, fidelity_note: str) -> str:
+    """A markdown section: every contender of every case, speed and fidelity side by side."""
+    lines = [table_head(title, rounds_text(cases), fidelity_note)]
+    for case in cases:
+        lines += case_lines(case)
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -178,59 +227,7 @@ def busy_warning(timings: Iterable[tuple[str, Spread]], hint: str, load: Load | 
     return busy.line(hint) if busy else None
 
 
-def row_timings(rows: Iterable[Row], section: str) -> list[tuple[str, Spread]]:
-    """(label, spread) of every timing in ``rows``, for ``busy_warning``."""
-    return [(f"{section} {row.model} {row.size} px {name}", spread)
-            for row in rows for name, spread in row.ms.items()]
-
-
-def write_chart(rows: list[Row], path: str, title: str, ylabel: str, busy: Busy | None = None) -> None:
-    """A PNG: per row, a bar per method (its speed-up, labelled, with the spread as an error bar), the ideal as
-    a dashed line across the row's bars, and a line at 1 (no gain). A busy run says so on the chart itself."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-
-    methods = [m for m in METHODS if any(m in row.ms for row in rows)]
-    width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(max(6.4, 1.5 * len(rows) + 3.0), 5.0))
-    colors = {"ours": "tab:blue", "tomesd": "tab:orange"}
-    top = 1.0
-    for j, name in enumerate(methods):
-        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(rows))]
-        values = [row.speedup(name) or 0.0 for row in rows]
-        ranges = [row.speedup_range(name) or (v, v) for row, v in zip(rows, values)]
-        errors = [[max(0.0, v - lo) for v, (lo, _) in zip(values, ranges)],
-                  [max(0.0, hi - v) for v, (_, hi) in zip(values, ranges)]]
-        bars = ax.bar(xs, values, width * 0.9, yerr=errors, capsize=4, label=name, color=colors[name],
-                      error_kw=dict(lw=1, ecolor="black"))
-        # Inside the bar, so neither the whiskers nor the ideal's line can cover the figure.
-        ax.bar_label(bars, labels=[f"{v:.2f}x" if v else "–" for v in values], label_type="center", fontsize=9,
-                     color="white", fontweight="bold")
-        top = max([top] + [hi for _, hi in ranges])
-    handles, _ = ax.get_legend_handles_labels()
-    for i, row in enumerate(rows):
-        ideal = row.speedup("ideal")
-        if ideal is None:
-            continue
-        ax.hlines(ideal, i - 0.42, i + 0.42, colors="black", linestyles="dashed", lw=1.5, zorder=3)
-        ax.annotate(f"ideal {ideal:.2f}x", (i + 0.42, ideal), textcoords="offset points", xytext=(0, 3),
-                    ha="right", fontsize=8)
-        top = max(top, ideal)
-    if any(row.speedup("ideal") is not None for row in rows):
-        handles.append(Line2D([], [], color="black", ls="dashed", lw=1.5,
-                              label="ideal: attention on N − r tokens, no merge cost"))
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_ylim(0, top * 1.15)
-    ax.set_xticks(range(len(rows)), [f"{r.model} {r.size} px\nratio {r.ratio:.2f}" for r in rows], fontsize=9)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=8)
-    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, frameon=False)
-    if busy:
-        fig.text(0.5, 0.01, f"Busy machine, figures uncertain: {busy.summary()}", ha="center", fontsize=7,
-                 color="red", wrap=True)
-    fig.tight_layout(rect=(0, 0.04 if busy else 0, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def case_timings(cases: Iterable[Case], section: str) -> list[tuple[str, Spread]]:
+    """(label, spread) of every timing in ``cases``, for ``busy_warning``."""
+    return [(f"{section} {case.model} {case.size} px {name}", spread)
+            for case in cases for name, spread in case.ms.items()]

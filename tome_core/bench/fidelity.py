@@ -1,0 +1,72 @@
+"""What a method does to the picture: the same short sampling run from the same noise with no merging and with
+each contender, the final pictures compared with the unmerged one by PSNR and SSIM.
+
+Every contender is deterministic: ours keys its random partition on a seed; tomesd forks its generator off
+torch's global RNG at its first call, so the global RNG is seeded before each run. The ideal is left out: it
+bounds speed, and its repeated tokens make no picture worth comparing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .contenders import Contender, Wrapped
+from .metrics import psnr, ssim
+from .pipeline import Pipeline
+from .report import Fidelity
+from .sampling import euler_sample
+
+NOT_SAMPLED = ("ideal",)
+
+
+@dataclass
+class Pictures:
+    """Each contender's final pictures (B, 3, H, W) in [0, 1] (or, without a decoder, its sampled tensors
+    scaled by the unmerged one's range, at most 3 channels shown), and what was compared."""
+
+    images: dict[str, torch.Tensor]
+    on_tensors: bool  # True: the pipeline has no decoder, so the sampled tensors were compared
+
+    def fidelity(self, reference: str = "none") -> dict[str, Fidelity]:
+        """PSNR and SSIM of every contender's pictures against ``reference``'s."""
+        ref = self.images[reference]
+        return {name: Fidelity(psnr(img, ref), ssim(img, ref)) for name, img in self.images.items()}
+
+
+def noise_for(pipe: Pipeline, size: int, images: int, seed: int) -> torch.Tensor:
+    """(images, channels, size/downscale, size/downscale) unit Gaussian noise from ``seed``, made on the CPU so
+    every device starts from the same numbers."""
+    side = size // pipe.downscale
+    return torch.randn(images, pipe.channels, side, side, generator=torch.Generator().manual_seed(seed))
+
+
+def sample_pictures(pipe: Pipeline, racers: list[Contender], size: int, steps: int, seed: int = 0,
+                    images: int = 1, device: torch.device | None = None, on_done=None) -> Pictures:
+    """Sample ``images`` pictures of ``size`` px with ``steps`` Euler steps for no merging and each contender
+    (the ideal excepted), all from the same noise; ``on_done(name)`` after each."""
+    device = device or next(pipe.unet.parameters()).device
+    noise = noise_for(pipe, size, images, seed).to(device)
+    wrapped = Wrapped(pipe.unet)  # the nesting tomesd needs; ours finds the U-Net in it
+    raw: dict[str, torch.Tensor] = {}
+    for racer in racers:
+        if racer.method in NOT_SAMPLED:
+            continue
+        torch.manual_seed(seed)  # tomesd's partition generator is forked off the global RNG
+        racer.apply(wrapped)
+        try:
+            x = euler_sample(pipe, noise, steps)
+            raw[racer.name] = (pipe.decode(x) if pipe.decode is not None else x).detach().float().cpu()
+        finally:
+            racer.remove(wrapped)
+        if on_done is not None:
+            on_done(racer.name)
+    if pipe.decode is not None:
+        return Pictures({name: img.clamp(0, 1) for name, img in raw.items()}, on_tensors=False)
+    # No decoder: compare the sampled tensors, mapped to [0, 1] by the unmerged one's range (the same map for
+    # all, so distances are kept; values outside it are not clipped).
+    ref = raw["none"]
+    low, high = ref.min(), ref.max()
+    scale = (high - low).clamp_min(1e-12)
+    return Pictures({name: (x - low) / scale for name, x in raw.items()}, on_tensors=True)

@@ -1,0 +1,95 @@
+"""What a method costs the host: tensor operations dispatched from Python per patched transformer block.
+
+On a fast GPU a 512 px step waits on the host, so each torch call a merge adds costs time even when its kernel
+is tiny. The count is every torch function and tensor method called from Python in one U-Net call (through
+``torch.overrides.TorchFunctionMode``: what reaches torch's Python dispatch, metadata calls such as ``dim()``
+included), patched minus unpatched, divided by the blocks the method acts in: those whose attention or
+feed-forward layers receive tensors of other shapes than unpatched (fewer tokens, downsampled keys and values).
+A method that swaps every block's class but merges only in some (tomesd) is so not credited with the blocks
+where it does nothing. Operations a method makes once per U-Net call (outside any block, or at its first block
+for all of them) are shared out over its blocks, which is what they cost per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+
+class _Counter(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.paused = False  # while the counter's own hooks look at shapes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.total += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """Torch calls of one U-Net call: in total, and inside each transformer block (by its place in the model)."""
+
+    total: int
+    per_block: tuple[int, ...]
+    # Per block: the shapes of the tensors its attn1, attn2 and ff were called with.
+    shapes: tuple[tuple, ...] = ()
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """Every ldm/sgm ``BasicTransformerBlock`` (or look-alike: attn1, attn2, ff) under ``model``, in order."""
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("attn1", "attn2", "ff", "norm1"))]
+
+
+def count_ops(model: nn.Module, call: Callable[[], object]) -> OpCount:
+    """Torch calls made by ``call()`` (one U-Net or block call on ``model``), in total and per block."""
+    blocks = transformer_blocks(model)
+    counter = _Counter()
+    inside = [0] * len(blocks)
+    shapes: list[list] = [[] for _ in blocks]
+    starts: dict[int, int] = {}
+    handles = []
+
+    def shape_recorder(i: int):
+        def hook(module, args, kwargs):
+            counter.paused = True  # reading .shape goes through the mode too
+            shapes[i].append(tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                                   for v in list(args) + [kwargs[k] for k in sorted(kwargs)]))
+            counter.paused = False
+        return hook
+
+    for i, blk in enumerate(blocks):
+        for sub in (blk.attn1, blk.attn2, blk.ff):
+            # Appended after any method's own pre-hooks: it sees what the layer is really called with.
+            handles.append(sub.register_forward_pre_hook(shape_recorder(i), with_kwargs=True))
+        # Registered now, so they run outside any method's own block hooks: a method's pre-hook work counts
+        # as the block's.
+        handles.append(blk.register_forward_pre_hook(lambda m, a, i=i: starts.__setitem__(i, counter.total),
+                                                     prepend=True))
+        handles.append(blk.register_forward_hook(
+            lambda m, a, o, i=i: inside.__setitem__(i, inside[i] + counter.total - starts.pop(i))))
+    try:
+        with torch.no_grad(), counter:
+            call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return OpCount(counter.total, tuple(inside), tuple(tuple(s) for s in shapes))
+
+
+def ops_per_block(plain: OpCount, patched: OpCount) -> float | None:
+    """Torch calls a patched block adds: (patched − plain) in total over the blocks the method acts in (see
+    above; where no layer's input changed shape, the blocks whose own count changed); None when neither
+    happened (nothing patched at this size)."""
+    acting = sum(p != q for p, q in zip(plain.shapes, patched.shapes))
+    if acting == 0:
+        acting = sum(p != q for p, q in zip(plain.per_block, patched.per_block))
+    if acting == 0:
+        return None
+    return (patched.total - plain.total) / acting
