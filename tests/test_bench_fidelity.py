@@ -1,5 +1,5 @@
 """Fidelity beside speed: PSNR and SSIM against an independent implementation, exactness where nothing changes,
-the side-by-side picture's grid, the torch calls a patched block adds, and the command line on a trained model
+the side-by-side picture's grid, the dispatched operations a patched block adds, and the command line on a trained model
 (a stand-in for the shipped proxy): every method in the table, bad inputs refused before anything runs, the
 chart and the picture written. No test here asserts a speed."""
 

@@ -17,7 +17,7 @@ Modules, by concern (each imports only those listed before it):
                 tokens, chosen free)
     timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
     metrics     PSNR and SSIM of pictures in [0, 1]
-    opcount     torch calls a patched transformer block adds
+    opcount     operations a patched transformer block dispatches
     report      markdown tables (speed, share of the ideal's gain, PSNR, SSIM, ops per block, one line per
                 method and setting) and the busy-machine warning
     fidelity    the same sampling run with each contender, pictures compared with the unmerged one

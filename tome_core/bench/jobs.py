@@ -82,7 +82,7 @@ def race(label: str, model: nn.Module, call: Callable[[], object], racers: list[
     """Each contender's ms per ``call()`` over interleaved rounds; notes the cores others used meanwhile.
 
     With ``ops``, each contender's warm-up call is made under an op counter instead (its result is not timed
-    either way) and ``ops`` gets the torch calls a patched block adds, by contender name.
+    either way) and ``ops`` gets the dispatched operations a patched block adds, by contender name.
     """
     setup.progress.set_postfix_str(label)
     watch = CpuWatch()

@@ -1,13 +1,14 @@
-"""What a method costs the host: tensor operations dispatched from Python per patched transformer block.
+"""What a method costs the host: tensor operations dispatched per patched transformer block.
 
-On a fast GPU a 512 px step waits on the host, so each torch call a merge adds costs time even when its kernel
-is tiny. The count is every torch function and tensor method called from Python in one U-Net call (through
-``torch.overrides.TorchFunctionMode``: what reaches torch's Python dispatch, metadata calls such as ``dim()``
-included), patched minus unpatched, divided by the blocks the method acts in: those whose attention or
-feed-forward layers receive tensors of other shapes than unpatched (fewer tokens, downsampled keys and values).
-A method that swaps every block's class but merges only in some (tomesd) is so not credited with the blocks
-where it does nothing. Operations a method makes once per U-Net call (outside any block, or at its first block
-for all of them) are shared out over its blocks, which is what they cost per block.
+On a fast GPU a 512 px step waits on the host, so each operation a merge adds costs time even when its kernel
+is tiny. The count is every operation that reaches PyTorch's dispatcher in one U-Net call (through
+``torch.utils._python_dispatch.TorchDispatchMode``: each ATen operation, views and in-place updates included;
+Python-side metadata such as ``.shape`` or ``dim()``, which launches nothing, is not), patched minus unpatched,
+divided by the blocks the method acts in: those whose attention or feed-forward layers receive tensors of other
+shapes than unpatched (fewer tokens, downsampled keys and values). A method that swaps every block's class but
+merges only in some (tomesd) is so not credited with the blocks where it does nothing. Operations a method makes
+once per U-Net call (outside any block, or at its first block for all of them) are shared out over its blocks,
+which is what they cost per block.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class _Counter(TorchFunctionMode):
+class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
-        self.paused = False  # while the counter's own hooks look at shapes
+        self.paused = False  # while the counter's own hooks look at tensors
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.paused:
             self.total += 1
         return func(*args, **(kwargs or {}))
@@ -34,7 +35,8 @@ class _Counter(TorchFunctionMode):
 
 @dataclass(frozen=True)
 class OpCount:
-    """Torch calls of one U-Net call: in total, and inside each transformer block (by its place in the model)."""
+    """Dispatched operations of one U-Net call: in total, and inside each transformer block (by its place in the
+    model)."""
 
     total: int
     per_block: tuple[int, ...]
@@ -48,7 +50,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def count_ops(model: nn.Module, call: Callable[[], object]) -> OpCount:
-    """Torch calls made by ``call()`` (one U-Net or block call on ``model``), in total and per block."""
+    """Operations dispatched by ``call()`` (one U-Net or block call on ``model``), in total and per block."""
     blocks = transformer_blocks(model)
     counter = _Counter()
     inside = [0] * len(blocks)
@@ -58,7 +60,7 @@ def count_ops(model: nn.Module, call: Callable[[], object]) -> OpCount:
 
     def shape_recorder(i: int):
         def hook(module, args, kwargs):
-            counter.paused = True  # reading .shape goes through the mode too
+            counter.paused = True  # the recorder's own look at the tensors is not the method's
             shapes[i].append(tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None
                                    for v in list(args) + [kwargs[k] for k in sorted(kwargs)]))
             counter.paused = False
@@ -84,7 +86,7 @@ def count_ops(model: nn.Module, call: Callable[[], object]) -> OpCount:
 
 
 def ops_per_block(plain: OpCount, patched: OpCount) -> float | None:
-    """Torch calls a patched block adds: (patched − plain) in total over the blocks the method acts in (see
+    """Operations a patched block adds: (patched − plain) in total over the blocks the method acts in (see
     above; where no layer's input changed shape, the blocks whose own count changed); None when neither
     happened (nothing patched at this size)."""
     acting = sum(p != q for p, q in zip(plain.shapes, patched.shapes))

@@ -49,7 +49,7 @@ class Entry:
 @dataclass
 class Case:
     """One model at one size, every contender raced together: ``ms`` by contender name; ``fidelity`` and
-    ``ops`` (torch calls a patched block adds) by name where measured."""
+    ``ops`` (dispatched operations a patched block adds) by name where measured."""
 
     model: str
     size: int
