@@ -116,7 +116,7 @@ def test_side_by_side_has_a_row_per_method_and_the_unmerged_image_first(tmp_path
     assert Image.open(path).size == size == sheet_size(3, 4, tile)
 
 
-# -- torch calls a patched block adds --------------------------------------------------------------------------
+# -- operations a patched block dispatches --------------------------------------------------------------------------
 
 def test_todo_adds_fewer_ops_per_block_than_tome():
     # ToDo is one pooling of the keys and values per block; ToMe finds a merge, merges and unmerges.
