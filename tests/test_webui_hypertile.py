@@ -1,19 +1,22 @@
-"""ToMe beside other extensions that reshape self-attention, through whole jobs.
-
-- The A1111 webui's built-in Hypertile (the double's ``builtin_scripts/hypertile_script.py``) tiles whatever
-  sequence its layers are handed as if it were the image grid; on the layers ToMe merges, it is set aside
-  for the job (console line, infotext record) and still tiles every other layer.
-- In the Forge family, an attn1 replacement leaves those blocks whole, and the console says so.
-"""
+"""ToMe beside the A1111 webui's built-in Hypertile (the double's ``builtin_scripts/hypertile_script.py``),
+through whole jobs: Hypertile tiles whatever sequence its layers are handed as if it were the image grid, so on
+the layers ToMe merges it is set aside for the job (console line, infotext record) and still tiles every
+other layer. Hypertile's script is the A1111 webui's, so these tests run on the A1111 double alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from webui_double.testing import fresh, host, infotext_params, tome_keys  # noqa: F401  (fixtures)
+from webui_double.testing import fresh, infotext_params, started_host, tome_keys  # noqa: F401  (fixtures)
 
 HYPERTILE = "__webui_hypertile_params"
+
+
+@pytest.fixture(scope="module")
+def host():
+    with started_host("a1111") as started:
+        yield started
 
 
 def hypertile_layers(unet) -> list:
@@ -29,8 +32,6 @@ def switch_hypertile(on: bool) -> None:
 @pytest.fixture
 def hypertile(fresh):
     """The built-in Hypertile's layer states recorded at every U-Net call; its wrappers removed afterwards."""
-    if fresh.flavour != "a1111":
-        pytest.skip("Hypertile's built-in script is the A1111 webui's (Forge's HyperTile is a patcher patch)")
     from modules import scripts
 
     module = next(s for s in scripts.scripts_data if s.script_class.__name__ == "ScriptHypertile").module
@@ -96,32 +97,3 @@ def test_hypertile_off_writes_no_record(hypertile, fresh):
     switch_hypertile(False)
     processed = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.5))
     assert "ToMe Hypertile" not in tome_keys(processed.infotexts[0])
-
-
-def test_an_attn1_replacement_in_the_forge_family_is_reported(fresh, capsys):
-    if fresh.flavour == "a1111":
-        pytest.skip("patches_replace is the Forge family's patch point")
-    from tome_core.patch import transformer_levels
-
-    def replacement(q, k, v, extra_options):
-        heads = extra_options["n_heads"]
-        b, n, inner = q.shape
-        q, k, v = (z.reshape(b, -1, heads, inner // heads).transpose(1, 2) for z in (q, k, v))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, inner)
-
-    keys = [(name.split(".")[0].split("_")[0], int(name.split(".")[1]), 0)
-            for name, _, level in transformer_levels(fresh.unet) if level == 0]
-    patcher = fresh.model.forge_objects_after_applying_lora.unet
-    saved = patcher.model_options
-    patcher.model_options = {**saved, "transformer_options": {
-        **saved["transformer_options"], "patches_replace": {"attn1": {key: replacement for key in keys}}}}
-    try:
-        plain = fresh.txt2img()
-        processed = fresh.txt2img(fresh.tome_args(enabled=True, ratio=0.5))
-    finally:
-        patcher.model_options = saved
-    out = capsys.readouterr().out
-    assert "block calls ran without merging" in out
-    # Every merged block's attention was replaced, and ToMe merges nothing else by default: the same image.
-    assert torch.equal(image(processed), image(plain))
-    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.5"}

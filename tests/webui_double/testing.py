@@ -171,18 +171,19 @@ def webui_modules(flavour: str) -> Iterator[None]:
         sys.path[:] = saved_path
 
 
-@pytest.fixture(scope="module", params=FLAVOURS)
-def host(request):
+@contextmanager
+def started_host(flavour: str) -> Iterator[Host]:
+    """A double webui of ``flavour`` with the extension loaded and a tiny U-Net as ``shared.sd_model``."""
     if not webui_double.install():
         pytest.skip("a real webui's modules are importable here; these tests drive the double")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny U-Net is faster on one thread, and tests share a 2-core machine
-    with webui_modules(request.param):
+    with webui_modules(flavour):
         from modules import shared
         from webui_double.host import Webui
         from webui_double.model import snapshot
 
-        host = Host(request.param, None, None, None)
+        host = Host(flavour, None, None, None)
         model = host.new_model()
         base = host.add_checkpoint(BASE_CHECKPOINT, model, config="v1")
         shared.sd_model = model
@@ -196,6 +197,14 @@ def host(request):
             host.webui.unload()
             shared.sd_model = None
             torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=FLAVOURS)
+def host(request):
+    """Every flavour in turn. A test module about one host family defines its own ``host`` fixture over
+    ``started_host`` with just those flavours."""
+    with started_host(request.param) as started:
+        yield started
 
 
 @pytest.fixture
