@@ -3,6 +3,7 @@
 - ``none``: the model as it is.
 - ``ours``: ``tome_core.apply_patch``.
 - ``tomesd``: tomesd 0.1.3 with the same options (when installed).
+- ``todo``, ``local``: ``tome_core.apply_patch`` with that method (only when asked for, ``methods=``).
 - ``ideal``: the blocks ours patches run self-attention on the N − r tokens it would keep, but chosen for
   free: the first N − r, no similarity, no matching, no merge; the output goes back to N tokens by a repeat.
   No merging method can be faster, so (speed-up − 1) / (ideal − 1) is the share of what merging can give
@@ -22,6 +23,7 @@ import tome_core
 from tome_core.patch import transformer_levels
 
 NAMES = ("none", "ours", "tomesd", "ideal")
+METHOD_CONTENDERS = ("todo", "local")  # our other methods, raced under their own names when asked for
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,10 @@ def _repeater(kept: dict):
 
 def contenders(ratio: float, use_rand: bool, max_downsample: int | None, tomesd_max_downsample: int, *,
                with_tomesd: bool = True, with_ideal: bool = True,
-               tomesd_setup: Callable[[nn.Module], None] | None = None) -> list[Contender]:
-    """none, ours, tomesd (when installed and wanted) and the ideal, with the same options.
+               tomesd_setup: Callable[[nn.Module], None] | None = None,
+               methods: tuple[str, ...] = ()) -> list[Contender]:
+    """none, ours, tomesd (when installed and wanted), ``methods`` (of ``METHOD_CONTENDERS``) and the ideal,
+    with the same options.
 
     ``tomesd_setup(model)`` runs after tomesd's patch (a lone transformer must be told its grid, which tomesd
     otherwise learns from a U-Net pre-hook).
@@ -149,7 +153,58 @@ def contenders(ratio: float, use_rand: bool, max_downsample: int | None, tomesd_
                 tomesd_setup(m)
 
         out.append(Contender("tomesd", apply_tomesd, tomesd.remove_patch))
+    for method in methods:
+        if method not in METHOD_CONTENDERS:
+            raise ValueError(f"methods: {method!r} is not one of {', '.join(METHOD_CONTENDERS)}")
+        out.append(Contender(method, lambda m, method=method: tome_core.apply_patch(
+            m, ratio=ratio, max_downsample=max_downsample, use_rand=use_rand, method=method),
+            tome_core.remove_patch))
     if with_ideal:
         ideal = IdealPatch(ratio, max_downsample)
         out.append(Contender("ideal", ideal.apply, ideal.remove))
     return out
+
+
+def added_operations(model: nn.Module, call: Callable[[], object], contender: Contender) -> int:
+    """The dispatched tensor operations ``contender`` adds to one ``call()`` (divide by ``patched_blocks`` for
+    a figure per block).
+
+    Counted at PyTorch's dispatcher (views, reshapes and index ops each count once), after one warm call so
+    that tables made once per grid are not counted. On a GPU each dispatched operation costs host time that
+    a fast step waits on, so this count is the CPU-side view of that overhead; it does not depend on the
+    machine's load.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    def count() -> int:
+        with torch.no_grad():
+            call()
+            with Counter() as counter:
+                call()
+        return counter.count
+
+    plain = count()
+    contender.apply(model)
+    try:
+        patched = count()
+    finally:
+        contender.remove(model)
+    return patched - plain
+
+
+def patched_blocks(model: nn.Module, max_downsample: int | None) -> int:
+    """How many transformer blocks ours (and so every contender here) patches in ``model``."""
+    tome_core.apply_patch(model, max_downsample=max_downsample)
+    try:
+        return len(tome_core.get_patch(model).selected)
+    finally:
+        tome_core.remove_patch(model)
