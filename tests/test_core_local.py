@@ -34,7 +34,7 @@ def test_merge_and_unmerge_equal_a_plain_reference(h, w, ratio):
         merged = plan.merge(x)
         torch.testing.assert_close(merged, want_merged, rtol=0, atol=1e-6)
         torch.testing.assert_close(plan.unmerge(merged), want_unmerged, rtol=0, atol=1e-6)
-    assert torch.equal(plans[0].gather_index.long(), plans[1].gather_index)
+    assert all(torch.equal(a.long(), b) for a, b in zip(plans[0].gather_index, plans[1].gather_index))
     assert torch.equal(plans[0].position.long(), plans[1].position)
     windows = (h // 2) * (w // 2)
     assert plans[0].merged_tokens == h * w - min(int(4 * windows * ratio), 3 * windows)
@@ -217,14 +217,14 @@ def _added_operations(unet, x, t, c, **options) -> tuple[int, int]:
 
 def test_operations_added_per_block_are_few_and_do_not_grow_with_the_image():
     """A count of dispatched operations is behaviour, not time: each costs host time on a GPU. Merge and
-    unmerge add 7 per block; the plan about 25 per level and call, shared by the level's blocks (SD 1.5's top
+    unmerge add 8 per block; the plan about 25 per level and call, shared by the level's blocks (SD 1.5's top
     level has 5, SDXL's 10; this U-Net's 3, the hardest case)."""
     unet = tiny_unet("sd1")
     x = torch.randn(2, 64, 8)
     plan = loc.plan_local(x, 8, 8, 0.5, torch.int64)
     with DispatchCounter() as counter:
         plan.unmerge(plan.merge(x))
-    assert counter.count == 7
+    assert counter.count == 8
     counts = {}
     for side in (16, 32, 48):
         x, t, c = inputs(batch=2, h=side, w=side)
@@ -250,7 +250,7 @@ def test_int32_path_obeys_mps_rules_and_equals_int64():
         narrow = unet(x, t, context=c)
     assert torch.equal(narrow, wide)
     names = {f.overloadpacket.__name__ for f, _, _ in rec.calls}
-    assert {"index_select", "argmax", "bmm"} <= names, "the local plan did not run under the recorder"
+    assert {"index_select", "argmax", "bmm", "lerp"} <= names, "the local plan did not run under the recorder"
     assert violations(rec.calls) == []
 
 

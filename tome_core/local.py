@@ -12,10 +12,11 @@ a sort of N/4·3 scores and scattered writes, about 84 dispatched tensor operati
   merges (q = 1: which one of the 6 pairs; q = 2: which one of the 3 pairings; q = 0 and q = 3 have one),
   the one whose pairs are most similar (summed cosine similarity).
 - Every merged token is the mean of a group of 1, 2 or 4 tokens. Groups are padded to a common size g
-  (2 when no window merges 3 tokens, else 4) by repeating their members, so merging is one gather and one
-  mean over g, and unmerging is one gather through a position map: 7 dispatched operations per block,
-  whatever the image size. For g = 2 the padding is exact ((a + a) / 2 = a); for g = 4 a pair is
-  averaged as (a + b + a + b) / 4, equal to (a + b) / 2 up to rounding.
+  (2 when no window merges 3 tokens, else 4) by repeating their members, so merging is g gathers and
+  g − 1 pairwise means, and unmerging is one gather through a position map: 8 dispatched operations per
+  block (g = 2),
+  whatever the image size. Padding is exact (the mean of a and a is a); for g = 4 a pair's mean is
+  that of (a, b, a, b), equal to (a + b) / 2 up to rounding.
 - Tokens right of or below the last whole window (odd grids) are never merged.
 
 The plan is made once per level per U-Net call from the first patched block of that level (down path) and
@@ -70,15 +71,15 @@ class LocalPlan:
     """How the N tokens of a level map onto M merged tokens, for a batch of B rows.
 
     Attributes:
-        gather_index: (B·M·g,) index dtype; merged row m of batch row b is the mean of input rows
-            ``gather_index[(b·M + m)·g : (b·M + m + 1)·g]`` of the flattened (B·N, C) input.
+        gather_index: g tensors (B·M,) of the index dtype; merged row b·M + m is the mean over t < g of
+            input rows ``gather_index[t][b·M + m]`` of the flattened (B·N, C) input.
         position: (B·N,) index dtype; input row ``b·N + n`` takes merged row ``position[b·N + n]`` of the
             flattened (B·M, C) merged tensor on unmerge.
     """
 
     __slots__ = ("gather_index", "position", "batch", "tokens", "merged_tokens", "group", "device")
 
-    def __init__(self, gather_index: torch.Tensor, position: torch.Tensor, batch: int, tokens: int,
+    def __init__(self, gather_index: tuple[torch.Tensor, ...], position: torch.Tensor, batch: int, tokens: int,
                  merged_tokens: int, group: int) -> None:
         self.gather_index, self.position = gather_index, position
         self.batch, self.tokens, self.merged_tokens, self.group = batch, tokens, merged_tokens, group
@@ -90,10 +91,18 @@ class LocalPlan:
                 and x.device == self.device)
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, N, C) -> (B, M, C): one gather of each group's (padded) members and their mean."""
+        """(B, N, C) -> (B, M, C): a gather of each group's t-th (padded) member, for t < g, and their mean.
+
+        The mean as ``lerp(a, b, 0.5)``, one fused pass per pair: on the CPU, ``mean``/``sum`` over a
+        dimension of size 2 took 5 to 8 times as long as the gathers themselves. ``lerp(a, a, 0.5)`` is
+        exactly a, so padding changes nothing; a pair's mean is (a + b) / 2 up to rounding.
+        """
         b, n, c = x.shape
-        return x.reshape(b * n, c).index_select(0, self.gather_index).view(b, self.merged_tokens, self.group,
-                                                                           c).mean(2)
+        flat = x.reshape(b * n, c)
+        parts = [flat.index_select(0, index) for index in self.gather_index]
+        while len(parts) > 1:  # g is 2 or 4: one or two rounds of pairwise means
+            parts = [torch.lerp(parts[i], parts[i + 1], 0.5) for i in range(0, len(parts), 2)]
+        return parts[0].view(b, self.merged_tokens, c)
 
     def unmerge(self, x: torch.Tensor) -> torch.Tensor:
         """(B, M, C) -> (B, N, C): every token takes its group's value."""
@@ -101,40 +110,44 @@ class LocalPlan:
         return x.reshape(b * m, c).index_select(0, self.position).view(b, self.tokens, c)
 
 
-@lru_cache(maxsize=16)
-def _candidate_tables(group: int, device: torch.device, idt: torch.dtype):
-    """Per candidate grouping: its padded group members (11, 4·g) (locals; groups beyond the candidate's
-    count are zeros, never read), the group slot of each local (11, 4), and the incidence (16, 11) of the
-    4×4 cosine matrix's entries in its score (one entry per pair)."""
-    members = torch.zeros(NUM_CANDIDATES, 4, group, dtype=torch.int32)
-    slot = torch.zeros(NUM_CANDIDATES, 4, dtype=torch.int32)
-    incidence = torch.zeros(16, NUM_CANDIDATES, dtype=torch.float32)  # row 4·i + j: cosine of locals i, j
+def _candidate_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per candidate grouping, on the CPU: its group members padded to g = 4 (11, 4, 4) (locals; groups
+    beyond the candidate's count are zeros, never read), the group slot of each local (11, 4), and the
+    incidence (16, 11) of the 4×4 cosine matrix's entries (row 4·i + j: locals i, j) in its score."""
+    members = torch.zeros(NUM_CANDIDATES, 4, 4, dtype=torch.long)
+    slot = torch.zeros(NUM_CANDIDATES, 4, dtype=torch.long)
+    incidence = torch.zeros(16, NUM_CANDIDATES, dtype=torch.float32)
     for c, (_, groups) in enumerate(CANDIDATES):
         for s, g in enumerate(groups):
-            if len(g) <= group:  # a group of 4 exists only in tables with g = 4
-                members[c, s] = torch.tensor((g * group)[:group], dtype=torch.int32)
+            members[c, s] = torch.tensor((g * 4)[:4])
             for local in g:
                 slot[c, local] = s
             if len(g) == 2:
                 incidence[g[0] * 4 + g[1], c] = 1.0
-    return (members.reshape(NUM_CANDIDATES, 4 * group).to(device, idt), slot.to(device, idt),
-            incidence.to(device))
+    return members, slot, incidence
 
 
-@lru_cache(maxsize=64)
+# Few entries: one plan's tables are O(B·N) integers (about 2.5 MB for SD 1.5's top level at 1024 px, batch
+# 2), kept while a generation runs at one size; a hires pass or a second batch size adds one.
+@lru_cache(maxsize=8)
 def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt: torch.dtype):
-    """Everything of a plan that depends only on (B, grid, ratio): static index tables.
+    """Everything of a plan that depends only on (B, grid, ratio): static tables, built on the CPU with
+    int64 arithmetic and then moved (so no integer op runs on the device), indexed by the chosen candidate.
 
     Returns None when nothing merges (no whole window, or no merge at this ratio); else a dict with
         group: g; merged: M (merged tokens per row);
         window_rows: (B·W·4,) the flat input row of local l of window j in batch row b, at b·W·4 + j·4 + l;
+        incidence: (16, 11) float32, see ``_candidate_tables``;
         penalty: (B·W, 11) float32, 0 for the candidates with the window's merge count, −1e4 elsewhere;
-        member_offset: (B·W, 4·g) b·W·4 + j·4, turning a window's locals into positions in window_rows;
-        slot_offset: (B·W, 4) the same for (b, j, local);
-        slot_rows: (B·W·4,) b·M + the merged row of slot s of window j (0 for slots the window lacks);
-        edge_gather: (B·E·g,) the flat input rows of the never-merged edge tokens, each repeated g times;
-        gather_pick: (B·M·g,) picks the real slots, then the edges, out of [members (B·W·4·g), edge_gather];
-        edge_rows: (B·E,) b·M + the merged row of edge token e;
+        candidate_offset: (B·W,) (b·W + j)·11: adds window (b, j) to its chosen candidate's number;
+        member_rows: (B·W·11, 4·g) for window (b, j) and candidate c, the flat input rows of its 4 slots'
+            g padded members;
+        slot_rows: (B·W·11, 4) for window (b, j) and candidate c, each local's merged row, b·M + row;
+        edge_gather: (B·E·g,) the flat input rows of the never-merged edge tokens, each repeated g times
+            (None when the windows cover the grid);
+        gather_picks: g tensors (B·M,): for member t, the real slots and then the edges out of
+            [member rows (B·W·4·g), edge_gather];
+        edge_rows: (B·E,) b·M + the merged row of edge token e (None without edges);
         position_pick: (B·N,) picks, in token order, out of [slot rows (B·W·4), edge_rows].
     """
     hw, ww = h // WINDOW, w // WINDOW
@@ -151,8 +164,7 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
     # Window j = (wy, wx) row-major; local l = 2·dy + dx.
     wy, wx = torch.arange(hw)[:, None], torch.arange(ww)[None, :]
     origin = (wy * WINDOW * w + wx * WINDOW).reshape(-1)  # (W,)
-    local_offset = torch.tensor([0, 1, w, w + 1])
-    window_tokens = origin[:, None] + local_offset[None, :]  # (W, 4)
+    window_tokens = origin[:, None] + torch.tensor([0, 1, w, w + 1])[None, :]  # (W, 4)
     edges = (yy * w + xx)[~inside]  # (E,)
     e = edges.numel()
 
@@ -163,46 +175,51 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
     merged = merged_windows + e
     slots = torch.arange(4)
     real = slots[None, :] < kept[:, None]  # (W, 4)
-    slot_row = torch.where(real, start[:, None] + slots[None, :], torch.zeros(()).long())  # (W, 4)
+    slot_row = torch.where(real, start[:, None] + slots[None, :], torch.zeros((), dtype=torch.long))  # (W, 4)
 
+    members, slot, incidence = _candidate_tables()
+    members = members[:, :, :group].reshape(NUM_CANDIDATES, 4 * group)  # pads of 4 cut to g: still exact
     candidate_merges = torch.tensor([q for q, _ in CANDIDATES])
-    penalty = torch.where(candidate_merges[None, :] == counts[:, None], 0.0, -1e4).float()  # (W, 11)
-    penalty = penalty.repeat(batch, 1)
+    penalty = torch.where(candidate_merges[None, :] == counts[:, None], 0.0, -1e4).float().repeat(batch, 1)
 
     b = torch.arange(batch)
-    window_rows = (b[:, None, None] * n + window_tokens[None]).reshape(-1)
-    base = (b[:, None] * (windows * 4) + torch.arange(windows)[None, :] * 4)  # (B, W)
-    member_offset = base[:, :, None].expand(batch, windows, 4 * group).reshape(batch * windows, 4 * group)
-    slot_offset = base[:, :, None].expand(batch, windows, 4).reshape(batch * windows, 4)
-    slot_rows = (b[:, None] * merged + slot_row.reshape(-1)[None, :]).reshape(-1)
+    bj = torch.arange(batch * windows)  # b·W + j
+    window_rows = (b[:, None, None] * n + window_tokens[None]).reshape(batch * windows, 4)
+    # (B·W, 11, 4g): rows of window (b, j) at the members of candidate c.
+    member_rows = window_rows[:, None, :].expand(-1, NUM_CANDIDATES, -1).gather(
+        2, members[None].expand(batch * windows, -1, -1))
+    merged_row = (b[:, None, None] * merged + slot_row[None]).reshape(batch * windows, 4)
+    slot_rows = merged_row[:, None, :].expand(-1, NUM_CANDIDATES, -1).gather(
+        2, slot[None].expand(batch * windows, -1, -1))
     edge_gather = (b[:, None, None] * n + edges[None, :, None]).expand(batch, e, group).reshape(-1)
-    # Real slots of each window, their g members each: positions in the (B·W·4·g) members tensor.
-    real_slots = torch.nonzero(real.reshape(-1)).reshape(-1)  # (M_w,) as j·4 + s
-    per_row = (real_slots[:, None] * group + torch.arange(group)[None, :]).reshape(-1)  # (M_w·g,)
+    # Real slots of each window, as positions j·4 + s, and each one's member t in the (B·W·4·g) rows.
+    real_slots = torch.nonzero(real.reshape(-1)).reshape(-1)  # (M_w,)
     member_total = batch * windows * 4 * group
-    gather_pick = torch.cat([
-        b[:, None] * (windows * 4 * group) + per_row[None, :],
-        member_total + b[:, None] * (e * group) + torch.arange(e * group)[None, :],
-    ], dim=1).reshape(-1)
+    gather_picks = tuple(torch.cat([
+        b[:, None] * (windows * 4 * group) + (real_slots * group + t)[None, :],
+        member_total + b[:, None] * (e * group) + (torch.arange(e) * group + t)[None, :],
+    ], dim=1).reshape(-1) for t in range(group))
     edge_rows = (b[:, None] * merged + merged_windows + torch.arange(e)[None, :]).reshape(-1)
     # Token n's place in [slot rows of (b, j, l) | edge rows of (b, e)].
     place = torch.empty(n, dtype=torch.long)
     place[window_tokens.reshape(-1)] = torch.arange(windows * 4)
-    place[edges] = torch.arange(e) + batch * windows * 4  # plus b·E below
-    is_edge = torch.zeros(n, dtype=torch.long)
-    is_edge[edges] = 1
-    position_pick = (place[None, :] + b[:, None] * torch.where(is_edge.bool(), e, windows * 4)[None, :])
-    position_pick = position_pick.reshape(-1)
+    place[edges] = torch.arange(e) + batch * windows * 4
+    stride = torch.full((n,), windows * 4)
+    stride[edges] = e
+    position_pick = (place[None, :] + b[:, None] * stride[None, :]).reshape(-1)
+    if e == 0:  # then the picks read the window part alone, and the plan needs no concatenation
+        edge_gather = edge_rows = None
 
     def put(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=idt)
 
-    if e == 0:  # then the picks read the window part alone, and the plan needs no concatenation
-        edge_gather = edge_rows = None
-    return dict(group=group, merged=merged, window_rows=put(window_rows), penalty=penalty.to(device),
-                member_offset=put(member_offset), slot_offset=put(slot_offset), slot_rows=put(slot_rows),
-                edge_gather=put(edge_gather), gather_pick=put(gather_pick), edge_rows=put(edge_rows),
-                position_pick=put(position_pick))
+    return dict(group=group, merged=merged, window_rows=put(window_rows.reshape(-1)),
+                incidence=incidence.to(device), penalty=penalty.to(device),
+                candidate_offset=put(bj * NUM_CANDIDATES),
+                member_rows=put(member_rows.reshape(batch * windows * NUM_CANDIDATES, 4 * group)),
+                slot_rows=put(slot_rows.reshape(batch * windows * NUM_CANDIDATES, 4)),
+                edge_gather=put(edge_gather), gather_picks=tuple(put(t) for t in gather_picks),
+                edge_rows=put(edge_rows), position_pick=put(position_pick))
 
 
 def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dtype) -> LocalPlan | None:
@@ -218,33 +235,28 @@ def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
     layout = _layout(batch, h, w, float(ratio), metric.device, idt)
     if layout is None:
         return None
-    group = layout["group"]
-    members, slot, incidence = _candidate_tables(group, metric.device, idt)
-    # About 25 dispatched operations whatever the size, once per level and call: on a GPU each costs host
-    # time the step may wait on, so every table that does not depend on the features is made beforehand.
+    # About 20 dispatched operations whatever the size, once per level and call: on a GPU each costs host
+    # time the step may wait on, so everything that does not depend on the features is a table made
+    # beforehand, and the chosen candidate indexes those tables directly.
     with torch.no_grad():
         # (B·W, 4, C): each window's tokens as unit vectors, in at least float32 so that half-precision
         # features rank pairs by one rounding; all-zero rows stay zero (cosine 0 with everything).
+        exact = metric.dtype if metric.dtype in (torch.float32, torch.float64) else torch.float32
         win = metric.reshape(batch * tokens, channels).index_select(0, layout["window_rows"])
-        exact = torch.promote_types(metric.dtype, torch.float32)
         unit = F.normalize(win.view(-1, 4, channels).to(exact), dim=-1, eps=torch.finfo(exact).tiny)
         cosine = torch.bmm(unit, unit.transpose(1, 2))  # (B·W, 4, 4)
         # Each candidate's summed pair cosine, and −1e4 for candidates with another merge count.
-        scores = torch.addmm(layout["penalty"].to(exact), cosine.view(-1, 16), incidence.to(exact))
-        choice = scores.argmax(dim=-1).to(idt)  # (B·W,)
-        # Gather index: each window's padded groups, located in the input, then only the real slots.
-        local = members.index_select(0, choice) + layout["member_offset"]
-        picked = layout["window_rows"].index_select(0, local.view(-1))
+        scores = torch.addmm(layout["penalty"].to(exact), cosine.view(-1, 16), layout["incidence"].to(exact))
+        key = scores.argmax(dim=-1).to(idt) + layout["candidate_offset"]  # (B·W,) rows of the tables
+        picked = layout["member_rows"].index_select(0, key).view(-1)
         if layout["edge_gather"] is not None:
             picked = torch.cat([picked, layout["edge_gather"]])
-        gather_index = picked.index_select(0, layout["gather_pick"])
-        # Position map: each token's slot in its window, then that slot's merged row, in token order.
-        token_slot = slot.index_select(0, choice) + layout["slot_offset"]
-        rows = layout["slot_rows"].index_select(0, token_slot.view(-1))
+        gather_index = tuple(picked.index_select(0, pick) for pick in layout["gather_picks"])
+        rows = layout["slot_rows"].index_select(0, key).view(-1)
         if layout["edge_rows"] is not None:
             rows = torch.cat([rows, layout["edge_rows"]])
         position = rows.index_select(0, layout["position_pick"])
-    return LocalPlan(gather_index, position, batch, tokens, layout["merged"], group)
+    return LocalPlan(gather_index, position, batch, tokens, layout["merged"], layout["group"])
 
 
 def reference_merge(x: torch.Tensor, h: int, w: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
