@@ -147,7 +147,8 @@ def test_cond_and_uncond_apart_equal_stacked_also_with_plan_reuse():
                 else:
                     steps.append(run(unet, xs, t, c))
             outs[split] = torch.stack(steps)
-        torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)
+        # Float noise of batched against single-row kernels only; a different plan moves outputs by ~1e-2.
+        torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
 
 
 def test_plan_reuse_every_k_evaluations(monkeypatch):
