@@ -4,7 +4,9 @@ API: ``"alwayson_scripts": {"tome": {"args": [...]}}`` with the positional value
 both tabs; img2img ignores the two hires values)::
 
     enabled, ratio, hr_only, hr_ratio, method, max_downsample, sx, sy, use_rand, merge_crossattn, merge_mlp,
-    todo_factor, todo_pool, step_start, step_end
+    todo_factor, todo_pool, step_start, step_end, local_replan
+
+(calls with the first 15 values, made before ``local_replan`` existed, keep working: it takes its default)
 
 or ``{"args": [{"enabled": true, "ratio": 0.4, ...}]}``: one dict with any of those keys, the rest at their
 defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
@@ -30,7 +32,9 @@ LOG_PREFIX = "[ToMe]"
 BUILTIN_RATIO_SETTINGS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
 # The advanced panel, row by row.
 ADVANCED_ROWS = (("method", "max_downsample"), ("sx", "sy"), ("use_rand", "merge_crossattn", "merge_mlp"),
-                 ("todo_factor", "todo_pool"), ("step_start", "step_end"))
+                 ("todo_factor", "todo_pool"), ("local_replan",), ("step_start", "step_end"))
+# Controls one method alone reads, shown only while that method is chosen.
+METHOD_CONTROLS = tuple(key for keys in tm.METHOD_KEYS.values() for key in keys)
 # Our own entries in p.extra_generation_params (also the ones an earlier XYZ cell may have left there).
 OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS) | {tm.REFINER_INFOTEXT, tm.HYPERTILE_INFOTEXT}
 # On the processing object: the sampling pass under way, when ToMe applies to it.
@@ -183,9 +187,15 @@ class TokenMergeScript(scripts.Script):
                 for row in ADVANCED_ROWS:
                     with gr.Row():
                         for key in row:
-                            c[key] = self._control(key)
+                            if key in METHOD_CONTROLS:
+                                c[key] = self._control(key, visible=key in tm.METHOD_KEYS[defaults.method])
+                            else:
+                                c[key] = self._control(key)
 
-        note_inputs = [c["ratio"], c["hr_ratio"], c["sx"], c["sy"]]
+        # A pasted infotext sets the method too, and this event then shows that method's controls.
+        c["method"].change(_method_controls_update, inputs=[c["method"]],
+                           outputs=[c[key] for key in METHOD_CONTROLS], show_progress="hidden", queue=False)
+        note_inputs = [c["ratio"], c["hr_ratio"], c["sx"], c["sy"], c["method"]]
         for component in note_inputs:
             component.change(_ratio_note_update, inputs=note_inputs, outputs=[note], show_progress="hidden",
                              queue=False)
@@ -295,9 +305,19 @@ def take_over_builtin_token_merging(p: Any) -> None:
     p.override_settings = {**overrides, **{key: 0.0 for key in zeroed}}
 
 
-def _ratio_note_update(ratio: Any, hr_ratio: Any, sx: Any, sy: Any) -> dict:
-    text = tm.ratio_note(ratio, hr_ratio, sx, sy)
+def _ratio_note_update(ratio: Any, hr_ratio: Any, sx: Any, sy: Any, method: Any = "ToMe") -> dict:
+    text = tm.ratio_note(ratio, hr_ratio, sx, sy, method)
     return gr.update(value=text, visible=bool(text))
+
+
+def _method_controls_update(method: Any) -> list[dict]:
+    """Visibility of ``METHOD_CONTROLS``: those of ``method`` shown, the others hidden (an unknown method,
+    which validation refuses at generation time, shows them all)."""
+    try:
+        wanted = set(tm.METHOD_KEYS[tm.PARAM["method"].normalise(method)])
+    except (TypeError, ValueError):
+        wanted = set(METHOD_CONTROLS)
+    return [gr.update(visible=key in wanted) for key in METHOD_CONTROLS]
 
 
 def _on_cfg_denoiser(params: Any) -> None:

@@ -289,7 +289,9 @@ def test_accordions_open_and_show_controls_screenshot(page):
     for key in ("ratio", "hr_only", "hr_ratio"):
         expect_visible(control(page, tab, key), key)
     assert tm.PARAM["ratio"].label in control(page, tab, "ratio").inner_text()
-    advanced_keys = [key for key in tm.KEYS if key not in ("enabled", "ratio", "hr_only", "hr_ratio")]
+    other_methods = [key for method, keys in tm.METHOD_KEYS.items() if method != "tome" for key in keys]
+    advanced_keys = [key for key in tm.KEYS if key not in ("enabled", "ratio", "hr_only", "hr_ratio")
+                     and key not in other_methods]
     # "Advanced" is closed at first.
     expect_visible(control(page, tab, "advanced"), "advanced")
     for key in advanced_keys:
@@ -298,6 +300,8 @@ def test_accordions_open_and_show_controls_screenshot(page):
     for key in advanced_keys:
         expect_visible(control(page, tab, key), key)
         assert tm.PARAM[key].label in control(page, tab, key).inner_text(), f"{key} lacks its label"
+    for key in other_methods:  # ToMe is chosen: ToDo's and the local method's own controls wait
+        assert not control(page, tab, key).is_visible(), f"{key} shows while ToMe is chosen"
 
     os.makedirs(os.path.dirname(SCREENSHOT), exist_ok=True)
     page.mouse.move(0, 0)
@@ -334,11 +338,21 @@ def test_controls_take_input_and_reach_python(page, app):
 
     control(page, tab, "merge_mlp").locator("input[type=checkbox]").check()
     control(page, tab, "use_rand").locator("input[type=checkbox]").uncheck()
-    control(page, tab, "method").get_by_text("ToDo", exact=True).click()
-    control(page, tab, "todo_pool").get_by_text("average", exact=True).click()
-    control(page, tab, "max_downsample").get_by_text("2", exact=True).click()
     set_number(page, tab, "sx", 3)  # cap 1 - 1/6: 0.8 is allowed, the note goes
     note.wait_for(state="hidden")
+    # The local method: its own control shows, ToMe's stride and partition hide; its 2×2 cap brings the note.
+    control(page, tab, "method").get_by_text("Local", exact=True).click()
+    expect_visible(control(page, tab, "local_replan"), "local_replan")
+    control(page, tab, "sx").wait_for(state="hidden")
+    assert not control(page, tab, "use_rand").is_visible() and not control(page, tab, "todo_pool").is_visible()
+    expect_visible(note, "the ratio note of the local method")
+    set_number(page, tab, "local_replan", 3)
+    control(page, tab, "method").get_by_text("ToDo", exact=True).click()
+    expect_visible(control(page, tab, "todo_pool"), "todo_pool")
+    control(page, tab, "local_replan").wait_for(state="hidden")
+    note.wait_for(state="hidden")
+    control(page, tab, "todo_pool").get_by_text("average", exact=True).click()
+    control(page, tab, "max_downsample").get_by_text("2", exact=True).click()
     set_number(page, tab, "step_end", 0.6)
 
     values = send_values(page, app, tab)
@@ -346,6 +360,7 @@ def test_controls_take_input_and_reach_python(page, app):
     assert values["merge_mlp"] is True and values["use_rand"] is False
     assert values["method"] == "ToDo" and values["todo_pool"] == "average" and values["max_downsample"] == "2"
     assert values["sx"] == 3 and values["step_end"] == pytest.approx(0.6)
+    assert values["local_replan"] == 3  # hidden controls keep their values
     # The hidden checkbox's value arrives as a bool. (Opening the accordion ticks it only through the webui's
     # inputAccordion.js, which is not on this page, so its value is not asserted.)
     assert isinstance(values["enabled"], bool)

@@ -16,7 +16,8 @@ from tome_core.options import METHODS, TODO_POOLS
 from tome_core.settings import TokenMergeSettings
 
 API_KEYS = ("enabled", "ratio", "hr_only", "hr_ratio", "method", "max_downsample", "sx", "sy", "use_rand",
-            "merge_crossattn", "merge_mlp", "todo_factor", "todo_pool", "step_start", "step_end")
+            "merge_crossattn", "merge_mlp", "todo_factor", "todo_pool", "step_start", "step_end", "local_replan")
+FIRST_RELEASE_KEYS = API_KEYS[:15]  # positional API calls written for them must keep working
 
 
 def test_table_defines_the_documented_api_order_and_the_dataclass_follows_it():
@@ -32,8 +33,9 @@ def test_defaults():
     assert (s.sx, s.sy, s.use_rand, s.merge_crossattn, s.merge_mlp) == (2, 2, True, False, False)
     assert (s.todo_factor, s.todo_pool, s.step_start, s.step_end) == (2, "nearest", 0.0, 1.0)
     assert tm.parse_args(()) == s == tm.DISABLED
+    assert s.local_replan == 1
     assert s.ui_values() == [False, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest",
-                             0.0, 1.0]
+                             0.0, 1.0, 1]
     ratio = tm.PARAM["ratio"]
     assert (ratio.low, ratio.high, ratio.step) == (0.0, 0.9, 0.05)
 
@@ -52,8 +54,35 @@ def test_positional_args_in_order_with_missing_trailing_ones_at_defaults():
     assert tm.parse_args((True, 0.3)) == TokenMergeSettings(enabled=True, ratio=0.3)
     assert tm.parse_args(tuple(TokenMergeSettings(enabled=True, sx=4).ui_values())) == TokenMergeSettings(
         enabled=True, sx=4)
-    with pytest.raises(ValueError, match="at most 15 arguments"):
+    with pytest.raises(ValueError, match="at most 16 arguments"):
         tm.parse_args(tuple(TokenMergeSettings().ui_values()) + (1,))
+
+
+def test_positional_calls_of_the_first_release_keep_their_meaning():
+    """The new parameter is appended: a 15-value call means what it meant, and the 16th value is the local
+    method's re-plan interval."""
+    old = (True, 0.4, False, 0.0, "ToMe", "auto", 2, 2, False, False, False, 2, "nearest", 0.1, 0.9)
+    assert tm.KEYS[:15] == FIRST_RELEASE_KEYS
+    s = tm.parse_args(old)
+    assert s == TokenMergeSettings(enabled=True, ratio=0.4, use_rand=False, step_start=0.1, step_end=0.9)
+    assert tm.parse_args(old[:4] + ("Local",) + old[5:] + (3,)) == TokenMergeSettings(
+        enabled=True, ratio=0.4, method="local", use_rand=False, step_start=0.1, step_end=0.9, local_replan=3)
+
+
+def test_local_method_settings_cap_infotext_and_engine_options():
+    s = TokenMergeSettings(enabled=True, ratio=0.9, method="Local", sx=1, sy=1, local_replan=4)
+    # The local method's cap is its 2×2 window's, whatever the (unused) stride says.
+    assert s.pass_ratio(False) == 0.75
+    assert s.to_infotext() == {"ToMe ratio": 0.75, "ToMe method": "Local", "ToMe stride x": 1,
+                               "ToMe stride y": 1, "ToMe re-plan every": 4}
+    options = s.engine_options(hires=False, seed=3)
+    assert options["method"] == "local" and options["local_replan"] == 4 and options["ratio"] == 0.75
+    assert "2×2 window caps the ratio at 0.75" in tm.ratio_note(0.9, 0.0, 1, 1, "Local")
+    assert tm.ratio_note(0.7, 0.0, 1, 1, "Local") == ""
+    for bad in (0, 11, 2.5, "3"):
+        with pytest.raises((TypeError, ValueError), match="local_replan"):
+            TokenMergeSettings(local_replan=bad)
+    assert set(tm.METHOD_KEYS) == set(METHODS)
 
 
 def test_dict_form_takes_defaults_for_missing_keys_and_ignores_the_other_slots():
@@ -156,6 +185,7 @@ ROUND_TRIP = [
     TokenMergeSettings(enabled=True, ratio=0.9, sx=3, sy=3, hr_only=True),
     TokenMergeSettings(True, 0.9, True, 0.8, "todo", 8, 4, 1, False, True, True, 8, "average", 0.15, 0.85),
     TokenMergeSettings(enabled=True, max_downsample=1, method="ToMe", use_rand=False),
+    TokenMergeSettings(enabled=True, ratio=0.8, method="Local", local_replan=3, merge_mlp=True),
 ]
 
 
@@ -175,6 +205,17 @@ def test_from_infotext_without_tome_is_off_and_rejects_bad_text():
         TokenMergeSettings.from_infotext({"ToMe ratio": "fast"})
     with pytest.raises(ValueError, match="use_rand"):
         TokenMergeSettings.from_infotext({"ToMe ratio": "0.5", "ToMe random": "maybe"})
+
+
+def test_infotexts_of_the_first_release_paste_back_unchanged():
+    """Texts written before the local method existed: every control takes the value it took then, and the
+    new control its default."""
+    text = {"ToMe ratio": "0.6", "ToMe method": "ToDo", "ToMe ToDo factor": "3", "ToMe step start": "0.2"}
+    pasted = {key: tm.pasted_value(key, text) for key in tm.KEYS}
+    assert pasted == dict(zip(tm.KEYS, [True, 0.6, False, 0.0, "ToDo", "auto", 2, 2, True, False, False, 3,
+                                        "nearest", 0.2, 1.0, 1]))
+    assert TokenMergeSettings.from_infotext(text) == TokenMergeSettings(True, 0.6, method="todo", todo_factor=3,
+                                                                        step_start=0.2)
 
 
 def test_pasted_values():
@@ -234,7 +275,8 @@ def test_xyz_axes():
     axes = {axis.label: axis for axis in tm.XYZ_AXES}
     assert axes["[ToMe] Stride"].overrides(3) == {"sx": 3, "sy": 3}
     assert axes["[ToMe] Hires ratio"].txt2img_only and not axes["[ToMe] Ratio"].txt2img_only
-    assert axes["[ToMe] Method"].choices == ("ToMe", "ToDo")
+    assert axes["[ToMe] Method"].choices == ("ToMe", "ToDo", "Local")
+    assert axes["[ToMe] Re-plan every"].overrides(2) == {"local_replan": 2}
     assert axes["[ToMe] Ratio"].value_type is float and axes["[ToMe] Stride"].value_type is int
     with pytest.raises(ValueError, match=r"\[ToMe\] Ratio: ratio must be a number in \[0.0, 0.9\], got 1.5"):
         axes["[ToMe] Ratio"].check(1.5)

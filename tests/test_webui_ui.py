@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import gradio as gr
+import pytest
 import torch
 
 from tome_core import settings as tm
@@ -48,7 +49,9 @@ def test_controls_same_order_in_both_tabs_with_table_labels_defaults_and_bounds(
     labels = {tab: [c.label for c in controls] for tab, controls in per_tab.items()}
     assert labels["txt2img"] == labels["img2img"]
     hidden = {tm.KEYS[i] for i, c in enumerate(per_tab["img2img"]) if c.visible is False}
-    assert hidden == {"hr_only", "hr_ratio"} | {"enabled"}  # the accordion's value checkbox is always hidden
+    # The accordion's value checkbox is always hidden; the controls of the methods not chosen (ToDo's and
+    # the local method's, the default being ToMe) wait for the method radio.
+    assert hidden == {"hr_only", "hr_ratio"} | {"enabled"} | {"todo_factor", "todo_pool", "local_replan"}
 
 
 def test_ratio_slider_and_advanced_panel(host):
@@ -77,6 +80,29 @@ def test_ratio_note_follows_ratio_and_stride(host):
         assert shown["visible"] is True and "0.75" in shown["value"]
         assert block_fn.fn(0.5, 0.0, 2, 2)["visible"] is False
         assert block_fn.fn(0.9, 0.0, 4, 4)["visible"] is False  # cap 0.9375 at 4×4
+
+
+def _dependency(host, trigger, outputs):
+    config = host.webui.blocks.config
+    for index, dep in enumerate(config["dependencies"]):
+        targets = [t[0] if isinstance(t, (list, tuple)) else t for t in dep["targets"]]  # gradio 4 | 3
+        if trigger._id in targets and dep["outputs"] == [o._id for o in outputs]:
+            return host.webui.blocks.fns[index]
+    raise AssertionError("no such change event")
+
+
+def test_advanced_panel_shows_only_the_chosen_methods_own_controls(host):
+    """Stride and random partition for ToMe, factor and pooling for ToDo, the re-plan interval for Local;
+    the method radio's change event (also fired by a paste) switches them."""
+    for tab in TABS:
+        controls = dict(zip(tm.KEYS, host.webui.script(tab, "ToMe").controls))
+        own = [key for keys in tm.METHOD_KEYS.values() for key in keys]
+        block_fn = _dependency(host, controls["method"], [controls[key] for key in own])
+        for method in ("ToMe", "ToDo", "Local"):
+            shown = {key for key, update in zip(own, block_fn.fn(method)) if update["visible"]}
+            assert shown == set(tm.METHOD_KEYS[method.lower()]), method
+        assert all(update["visible"] for update in block_fn.fn("nonsense"))  # refused later, never hidden
+        assert {key for key in own if controls[key].visible is not False} == {"sx", "sy", "use_rand"}
 
 
 def test_ui_has_no_side_effects_and_gives_the_same_defaults_again(host):
@@ -113,13 +139,19 @@ def _controls_after_paste(host, tab, infotext, start_values):
     return [changes.get(control, start) for control, start in zip(script.controls, start_values)]
 
 
-def test_paste_of_an_infotext_restores_every_control_and_the_image(fresh):
-    wanted = tm.TokenMergeSettings(True, 0.9, False, 0.0, "tome", 2, 3, 1, False, True, False, 2, "nearest",
-                                   0.0, 0.75)
+WANTED = [
+    tm.TokenMergeSettings(True, 0.9, False, 0.0, "tome", 2, 3, 1, False, True, False, 2, "nearest", 0.0, 0.75),
+    tm.TokenMergeSettings(True, 0.6, False, 0.0, "local", 2, 2, 2, True, True, False, 2, "nearest", 0.0, 1.0, 2),
+]
+
+
+@pytest.mark.parametrize("wanted", WANTED, ids=["tome", "local"])
+def test_paste_of_an_infotext_restores_every_control_and_the_image(fresh, wanted):
     made = fresh.txt2img(fresh.tome_args(**dict(zip(tm.KEYS, wanted.ui_values()))), seed=21, steps=4)
     infotext = made.infotexts[0]
     # Paste it into a panel that shows something else entirely.
-    other = tm.TokenMergeSettings(False, 0.2, True, 0.4, "todo", 8, 2, 2, True, False, True, 4, "average", 0.5, 1.0)
+    other = tm.TokenMergeSettings(False, 0.2, True, 0.4, "todo", 8, 2, 2, True, False, True, 4, "average", 0.5, 1.0,
+                                  5)
     pasted = _controls_after_paste(fresh, "txt2img", infotext, other.ui_values())
     assert tm.parse_args(tuple(pasted)) == wanted.effective()  # the infotext records the ratio in use
     again = fresh.txt2img(fresh.tome_args(**dict(zip(tm.KEYS, pasted))), seed=21, steps=4)
@@ -165,6 +197,7 @@ def test_metadata_and_script_module_names():
 def test_api_info_lists_the_choices_the_api_accepts(host):
     info = host.webui.script("txt2img", "ToMe").api_info
     by_label = {arg["label"]: arg for arg in info["args"]}
-    assert by_label["Merge method"]["choices"] == ["ToMe", "ToDo"]
+    assert by_label["Merge method"]["choices"] == ["ToMe", "ToDo", "Local"]
+    assert by_label["Re-plan every (steps)"]["maximum"] == tm.MAX_LOCAL_REPLAN_UI
     assert by_label["Merge levels (max downsample)"]["choices"] == ["auto", "1", "2", "4", "8"]
     assert json.dumps(info)  # serialisable, as /sdapi/v1/script-info needs

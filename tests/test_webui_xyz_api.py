@@ -79,7 +79,20 @@ def test_xyz_step_window_and_levels_axes(fresh):
         (0.0, 4, True), (0.0, 4, True), (0.5, 4, False), (0.5, 4, True)]
 
 
+def test_xyz_local_method_and_replan_axes(fresh):
+    p, processed = run_grid(fresh, "[ToMe] Method", "Local, ToMe", "[ToMe] Re-plan every", "1, 3",
+                            tome_values={"enabled": True, "ratio": 0.8})
+    cells = [(c.options.method, c.options.local_replan, c.options.ratio) for c in fresh.calls[::2]]
+    assert cells == [("local", 1, 0.75), ("tome", 1, 0.75), ("local", 3, 0.75), ("tome", 3, 0.75)]
+    assert [tome_keys(t) for t in processed.infotexts] == [
+        {"ToMe ratio": "0.75", "ToMe method": "Local"}, {"ToMe ratio": "0.75"},
+        {"ToMe ratio": "0.75", "ToMe method": "Local", "ToMe re-plan every": "3"},
+        {"ToMe ratio": "0.75", "ToMe re-plan every": "3"}]
+    fresh.assert_pristine()
+
+
 @pytest.mark.parametrize("label, values, words", [
+    ("[ToMe] Re-plan every", "2, 0", ["[ToMe] Re-plan every", "local_replan", "[1, 10]", "0"]),
     ("[ToMe] Ratio", "0.3, 1.5", ["[ToMe] Ratio", "ratio", "[0.0, 0.9]", "1.5"]),
     ("[ToMe] Stride", "2, 9", ["[ToMe] Stride", "sx", "[1, 8]", "9"]),
     ("[ToMe] Method", "ToMe, fast", ["[ToMe] Method", "'fast'"]),
@@ -112,6 +125,16 @@ def test_api_positional_args(fresh, tab):
     fresh.assert_pristine()
 
 
+@pytest.mark.parametrize("tab", ["txt2img", "img2img"])
+def test_api_positional_args_with_the_local_method(fresh, tab):
+    args = [True, 0.5, False, 0.0, "Local", "auto", 2, 2, True, False, False, 2, "nearest", 0.0, 1.0, 2]
+    _, info = api(fresh, {"alwayson_scripts": {"tome": {"args": args}}}, tab)
+    assert {(c.options.method, c.options.local_replan, c.options.ratio) for c in fresh.calls} == {("local", 2, 0.5)}
+    assert tome_keys(info["infotexts"][0]) == {"ToMe ratio": "0.5", "ToMe method": "Local",
+                                               "ToMe re-plan every": "2"}
+    fresh.assert_pristine()
+
+
 def test_api_dict_args_and_case_insensitive_name(fresh):
     request = {"alwayson_scripts": {"ToMe": {"args": [{"enabled": True, "ratio": 0.35, "method": "todo",
                                                        "todo_pool": "average", "sx": 3}]}}}
@@ -135,6 +158,8 @@ def test_api_dict_without_enabled_is_off_and_no_alwayson_entry_is_off(fresh):
     ([{"enabled": True, "speed": 2}], ["unknown key 'speed'"]),
     ([True, "0.5"], ["ratio", "'0.5'"]),
     ([True, 0.5, False, 0.0, "ToMe", "auto", 2, 2, "yes"], ["use_rand", "'yes'"]),
+    ([{"enabled": True, "method": "local", "local_replan": 0}], ["local_replan", "0", "[1, 10]"]),
+    ([{"enabled": True, "method": "tile"}], ["method", "'tile'"]),
 ])
 def test_api_bad_value_gives_an_image_without_tome(fresh, capsys, args, words):
     response, info = api(fresh, {"alwayson_scripts": {"tome": {"args": args}}})

@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
-METHODS = ("tome", "todo")
+METHODS = ("tome", "todo", "local")
 TODO_POOLS = ("nearest", "average")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
 MAX_STRIDE = 8
 MAX_TODO_FACTOR = 8
 INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_LOCAL_REPLAN = 1000
+LOCAL_WINDOW = 2  # the local method's windows are 2×2 tokens, whatever the ToMe stride
 
 
 def ratio_cap(sx: int, sy: int) -> float:
@@ -24,6 +26,12 @@ def ratio_cap(sx: int, sy: int) -> float:
 def effective_ratio(ratio: float, sx: int, sy: int) -> float:
     """The ratio really applied on a grid the stride divides: requests above the cap merge every source."""
     return min(float(ratio), ratio_cap(sx, sy))
+
+
+def method_strides(method: str, sx: int, sy: int) -> tuple[int, int]:
+    """The cell whose one kept token caps the ratio: the stride for ToMe (and ToDo, whose ratio is unused),
+    the fixed 2×2 window for the local method."""
+    return (LOCAL_WINDOW, LOCAL_WINDOW) if method == "local" else (sx, sy)
 
 
 def check_number(name: str, value: Any, low: float, high: float, *, high_inclusive: bool = True,
@@ -75,6 +83,7 @@ class MergeOptions:
     step_start: float = 0.0
     step_end: float = 1.0
     score_chunk_elements: int | None = None
+    local_replan: int = 1
 
     def __post_init__(self) -> None:
         check_number("ratio", self.ratio, 0.0, 1.0, high_inclusive=False)
@@ -92,6 +101,7 @@ class MergeOptions:
         check_choice("method", self.method, METHODS)
         check_number("todo_factor", self.todo_factor, 1, MAX_TODO_FACTOR, integer=True)
         check_choice("todo_pool", self.todo_pool, TODO_POOLS)
+        check_number("local_replan", self.local_replan, 1, MAX_LOCAL_REPLAN, integer=True)
         check_number("step_start", self.step_start, 0.0, 1.0)
         check_number("step_end", self.step_end, 0.0, 1.0)
         if self.step_start > self.step_end:
@@ -101,7 +111,7 @@ class MergeOptions:
             check_number("score_chunk_elements", self.score_chunk_elements, 1, 1 << 40, integer=True)
             object.__setattr__(self, "score_chunk_elements", int(self.score_chunk_elements))
         # Normalise whole floats (e.g. from JSON) so equality and hashing behave.
-        for name in ("sx", "sy", "todo_factor"):
+        for name in ("sx", "sy", "todo_factor", "local_replan"):
             object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("ratio", "step_start", "step_end"):
             object.__setattr__(self, name, float(getattr(self, name)))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .local import LocalPlan, plan_local
 from .merge import MergePlan, downsample_tokens, plan_merge
 from .options import MergeOptions, check_number
 from .partition import cell_choices, fixed_partition, host_key, partition, timestep_words
@@ -128,6 +129,15 @@ class TokenMergePatch:
         self.unused_plans = 0
         self.records: list[_BlockRecord] = []
         self.selected: list[_BlockRecord] = []
+        # The local method's plans: this U-Net call's, by level; and those kept for reuse across sampling
+        # evaluations, by (level, call slot within the evaluation, h, w). See ``_begin_local_call``.
+        self._has_call_hook = hasattr(root, "input_blocks")
+        self._level_plans: dict[int, LocalPlan | None] = {}
+        self._kept_plans: dict[tuple, LocalPlan | None] = {}
+        self._evaluation = -1
+        self._call_slot: int | None = None
+        self._last_progress: float | None = None
+        self._fresh = True
 
         layout = transformer_levels(root)
         blocks = [(tname, t, level, i, blk) for tname, t, level in layout
@@ -161,6 +171,9 @@ class TokenMergePatch:
             hook(self.root.register_forward_pre_hook(self._record_timestep, with_kwargs=True))
         for t, recs in self._grid_sources.values():
             hook(t.register_forward_pre_hook(_grid_recorder(recs), with_kwargs=True))
+        if o.method == "local":
+            self._install_local()
+            return
         for rec in self.selected:
             rec.key = host_key(seed, rec.index)
             blk = rec.module
@@ -177,6 +190,24 @@ class TokenMergePatch:
                                                        with_kwargs=True))
                     hook(sub.register_forward_hook(_unmerger(rec, merged_calls)))
 
+    def _install_local(self) -> None:
+        """The local method: a per-call pre-hook on the U-Net, a plan taker per block, and merge/unmerge
+        hooks that act only on inputs with the (batch, tokens) the level's plan was made for."""
+        o, hook = self.options, self._hook
+        if self._has_call_hook:
+            hook(self.root.register_forward_pre_hook(self._begin_local_call, with_kwargs=True))
+        for rec in self.selected:
+            blk = rec.module
+            hook(blk.register_forward_pre_hook(_local_plan_taker(self, rec), with_kwargs=True))
+            hook(blk.register_forward_hook(_plan_dropper(self, rec)))
+            for wanted, sub, self_attention in ((o.merge_attn, blk.attn1, rec.self_attention),
+                                                (o.merge_crossattn, blk.attn2, False), (o.merge_mlp, blk.ff, False)):
+                if wanted:
+                    merged: list[bool] = [False]  # whether this submodule's current call was merged
+                    hook(sub.register_forward_pre_hook(_local_merger(self, rec, self_attention, merged),
+                                                       with_kwargs=True))
+                    hook(sub.register_forward_hook(_local_unmerger(rec, merged)))
+
     def _hook(self, handle) -> None:
         self._handles.append(handle)
 
@@ -187,6 +218,8 @@ class TokenMergePatch:
         for rec in self.records:
             rec.plan = None
             rec.grid = None
+        self._level_plans.clear()
+        self._kept_plans.clear()
 
     # -- per call -----------------------------------------------------------------------------------------
 
@@ -215,6 +248,62 @@ class TokenMergePatch:
             choice = cell_choices(keys, self.timestep_bits(device), (h // o.sy) * (w // o.sx), o.sx * o.sy)
             found = self._partitions[cache_key] = partition(h, w, o.sx, o.sy, choice, idt)
         return found
+
+    def _begin_local_call(self, module, args, kwargs):
+        """A new U-Net call: forget this call's plans, and place the call among the sampling evaluations.
+
+        Evaluations are told apart by the sampling progress the host reports (``set_progress``): calls with
+        the same progress belong to one evaluation (cond and uncond apart, or a second-order step's two
+        evaluations) and are numbered by their order in it (the call slot); a lower progress starts a new
+        run. Every ``local_replan``-th evaluation of a run makes fresh plans; the others reuse the plan of
+        their call slot. The host's progress rather than the timestep: reading a device timestep would make
+        the host wait for the device. Without progress, or with ``local_replan`` 1, every call plans anew.
+        """
+        self._level_plans.clear()
+        every = self.options.local_replan
+        progress = self.progress
+        if progress is None or every <= 1:
+            self._call_slot, self._fresh = None, True
+            self._kept_plans.clear()
+            return
+        if self._last_progress is None or progress < self._last_progress:
+            self._evaluation, self._call_slot = 0, 0
+            self._kept_plans.clear()
+        elif progress == self._last_progress:
+            self._call_slot += 1
+        else:
+            self._evaluation, self._call_slot = self._evaluation + 1, 0
+        self._last_progress = progress
+        self._fresh = self._evaluation % every == 0
+
+    def local_plan(self, rec: _BlockRecord, x: torch.Tensor) -> LocalPlan | None:
+        """The plan of ``rec``'s level for this call: made from the first patched block of the level that
+        the call reaches (and kept, or taken from an earlier evaluation, per ``_begin_local_call``); None
+        outside the step window, at ratio 0, or when ``x`` is not the level's h×w tokens."""
+        o = self.options
+        if (rec.grid is None or not o.in_window(self.progress) or not isinstance(x, torch.Tensor)
+                or x.dim() != 3 or o.ratio <= 0):
+            return None
+        h, w = rec.grid
+        if x.shape[1] != h * w:
+            return None
+        idt = o.index_dtype or default_index_dtype(x.device)
+        if not self._has_call_hook:  # a lone transformer: no call boundary to share a plan within
+            return plan_local(x, h, w, o.ratio, idt)
+        if rec.level in self._level_plans:
+            plan = self._level_plans[rec.level]
+            return plan if plan is not None and plan.fits(x) else None
+        key = (rec.level, self._call_slot, h, w)
+        plan = None
+        if self._call_slot is not None and not self._fresh:
+            kept = self._kept_plans.get(key)
+            plan = kept if kept is not None and kept.fits(x) else None
+        if plan is None:
+            plan = plan_local(x, h, w, o.ratio, idt)
+            if self._call_slot is not None:
+                self._kept_plans[key] = plan
+        self._level_plans[rec.level] = plan
+        return plan
 
     def make_plan(self, rec: _BlockRecord, x: torch.Tensor):
         o = self.options
@@ -284,6 +373,44 @@ def _plan_dropper(patch: TokenMergePatch, rec: _BlockRecord):
 def _fits(rec: _BlockRecord, x) -> bool:
     """``x`` is laid out as the block input the plan was made for: same batch rows, same tokens."""
     return isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[0], x.shape[1]) == rec.layout
+
+
+def _local_plan_taker(patch: TokenMergePatch, rec: _BlockRecord):
+    def hook(module, args, kwargs):
+        rec.plan = patch.local_plan(rec, _first_arg(args, kwargs, "x"))
+        rec.used = False
+    return hook
+
+
+def _local_merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, merged: list[bool]):
+    """Merge the submodule's input by the level's plan, and self-attention's explicit key/value sources with
+    it. An input whose (batch, tokens) the plan was not made for (ControlNet's reference mode runs attention
+    on part of the batch; HyperTile splits the tokens) runs unmerged, and is counted as in ``_merger``."""
+    def hook(module, args, kwargs):
+        plan = rec.plan
+        x = _first_arg(args, kwargs, "x")
+        merged[0] = isinstance(plan, LocalPlan) and isinstance(x, torch.Tensor) and plan.fits(x)
+        if not merged[0]:
+            if isinstance(plan, LocalPlan):
+                patch.unmerged_calls += 1
+            return None
+        rec.used = True
+        done = {id(x): plan.merge(x)}
+        args, kwargs = list(args), dict(kwargs)
+        _set_slot(args, kwargs, 0, "x", done[id(x)])
+        if self_attention:
+            _map_kv_sources(args, kwargs, x, plan.merge, done)
+        return tuple(args), kwargs
+    return hook
+
+
+def _local_unmerger(rec: _BlockRecord, merged: list[bool]):
+    def hook(module, args, output):
+        if not merged[0]:
+            return None
+        merged[0] = False
+        return rec.plan.unmerge(output)
+    return hook
 
 
 # Where the keys' and values' source of an attention call can be: ldm and sgm call self-attention with
@@ -387,7 +514,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                 merge_mlp: bool = False, seed: int | None = None, index_dtype: torch.dtype | None = None,
                 method: str = "tome", todo_factor: int = 2, todo_pool: str = "nearest",
                 step_start: float = 0.0, step_end: float = 1.0,
-                score_chunk_elements: int | None = None, **unknown: Any) -> Any:
+                score_chunk_elements: int | None = None, local_replan: int = 1, **unknown: Any) -> Any:
     """Patch ``model`` in place for token merging (or downsampling) and return it.
 
     ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), a U-Net, or any module tree holding
@@ -399,11 +526,15 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
         seed: key of the random partition (with ``use_rand``), together with the call's timestep and the
             block; None means a fixed default.
         index_dtype: torch.int32 (MPS-safe) or torch.int64; None picks int32 on ``mps`` and int64 elsewhere.
-        method: "tome" (merge tokens) or "todo" (downsample self-attention's keys and values).
+        method: "tome" (merge tokens), "todo" (downsample self-attention's keys and values) or "local"
+            (merge inside 2×2 windows by one plan per level and U-Net call; see ``tome_core.local``; it
+            ignores ``sx``, ``sy``, ``use_rand`` and ``seed``: its plan is a function of the features).
         todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
         step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
         score_chunk_elements: upper bound on similarity scores held at once while finding the merge
             (None: 4 Mi on the CPU, 64 Mi on accelerators).
+        local_replan: the local method makes fresh plans every this many sampling evaluations and reuses
+            them in between (1: every evaluation). Reuse needs the progress ``set_progress`` reports.
     """
     if unknown:
         allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
@@ -413,7 +544,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                            merge_attn=merge_attn, merge_crossattn=merge_crossattn, merge_mlp=merge_mlp,
                            seed=seed, index_dtype=index_dtype, method=method, todo_factor=todo_factor,
                            todo_pool=todo_pool, step_start=step_start, step_end=step_end,
-                           score_chunk_elements=score_chunk_elements)
+                           score_chunk_elements=score_chunk_elements, local_replan=local_replan)
     root = resolve_unet(model)
     patch = TokenMergePatch(root, options)  # raises before anything changes if there is nothing to patch
     remove_patch(root)

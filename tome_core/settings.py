@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from .options import MAX_DOWNSAMPLES, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS, check_number, effective_ratio, ratio_cap
+from .options import (MAX_DOWNSAMPLES, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS, check_number, effective_ratio,
+                      method_strides, ratio_cap)
 
 RATIO_INFOTEXT = "ToMe ratio"
 """Written whenever ToMe is on; its presence in a pasted infotext is what turns the accordion on."""
@@ -33,6 +34,7 @@ OVERRIDES_ATTRIBUTE = "tokenmerge_xyz"
 (an XYZ plot cell). Its presence turns ToMe on for that generation."""
 
 AUTO_LEVELS = "auto"
+MAX_LOCAL_REPLAN_UI = 10
 
 BOOL, FLOAT, INT, CHOICE, LEVELS = "bool", "float", "int", "choice", "levels"
 
@@ -116,7 +118,7 @@ PARAMS: tuple[Param, ...] = (
     Param("hr_only", BOOL, False, "Hires fix only", "ToMe hires only", txt2img_only=True),
     Param("hr_ratio", FLOAT, 0.0, "Hires merge ratio (0 = same)", "ToMe hr ratio", "[ToMe] Hires ratio",
           0.0, 0.9, 0.05, txt2img_only=True),
-    Param("method", CHOICE, "tome", "Merge method", "ToMe method", "[ToMe] Method", choices=("ToMe", "ToDo")),
+    Param("method", CHOICE, "tome", "Merge method", "ToMe method", "[ToMe] Method", choices=("ToMe", "ToDo", "Local")),
     Param("max_downsample", LEVELS, None, "Merge levels (max downsample)", "ToMe max downsample",
           "[ToMe] Max downsample", choices=(AUTO_LEVELS,) + tuple(map(str, MAX_DOWNSAMPLES))),
     Param("sx", INT, 2, "Stride x", "ToMe stride x", "[ToMe] Stride", 1, MAX_STRIDE, 1),
@@ -130,7 +132,16 @@ PARAMS: tuple[Param, ...] = (
           0.0, 1.0, 0.05),
     Param("step_end", FLOAT, 1.0, "End at (fraction of steps)", "ToMe step end", "[ToMe] Step window end",
           0.0, 1.0, 0.05),
+    # Appended after the parameters of the first release, so positional API calls made for it keep working.
+    Param("local_replan", INT, 1, "Re-plan every (steps)", "ToMe re-plan every", "[ToMe] Re-plan every",
+          1, MAX_LOCAL_REPLAN_UI, 1),
 )
+METHOD_KEYS: dict[str, tuple[str, ...]] = {
+    "tome": ("sx", "sy", "use_rand"),
+    "todo": ("todo_factor", "todo_pool"),
+    "local": ("local_replan",),
+}
+"""The parameters only one method reads: the advanced panel shows those of the chosen method alone."""
 PARAM: dict[str, Param] = {p.key: p for p in PARAMS}
 KEYS: tuple[str, ...] = tuple(PARAM)
 INFOTEXT_KEYS: tuple[str, ...] = tuple(p.infotext for p in PARAMS if p.infotext)
@@ -159,6 +170,7 @@ class TokenMergeSettings:
     todo_pool: str = _default("todo_pool")
     step_start: float = _default("step_start")
     step_end: float = _default("step_end")
+    local_replan: int = _default("local_replan")
 
     def __post_init__(self) -> None:
         for param in PARAMS:
@@ -177,14 +189,19 @@ class TokenMergeSettings:
         """The ratio the pass really uses: the hires ratio in the hires pass unless it is 0, capped by the
         stride (see ``options.ratio_cap``)."""
         ratio = self.hr_ratio if hires and self.hr_ratio > 0 else self.ratio
-        return effective_ratio(ratio, self.sx, self.sy)
+        return effective_ratio(ratio, *self.cap_cell())
+
+    def cap_cell(self) -> tuple[int, int]:
+        """(sx, sy) of the cell that caps the ratio: the stride, or the local method's 2×2 window."""
+        return method_strides(self.method, self.sx, self.sy)
 
     def engine_options(self, *, hires: bool, seed: int) -> dict[str, Any]:
         """Keyword arguments of ``tome_core.apply_patch`` for one sampling pass."""
         return dict(ratio=self.pass_ratio(hires), max_downsample=self.max_downsample, sx=self.sx, sy=self.sy,
                     use_rand=self.use_rand, merge_crossattn=self.merge_crossattn, merge_mlp=self.merge_mlp,
                     method=self.method, todo_factor=self.todo_factor, todo_pool=self.todo_pool,
-                    step_start=self.step_start, step_end=self.step_end, seed=seed)
+                    step_start=self.step_start, step_end=self.step_end, seed=seed,
+                    local_replan=self.local_replan)
 
     # -- derived settings ----------------------------------------------------------------------------------
 
@@ -199,8 +216,8 @@ class TokenMergeSettings:
 
     def effective(self) -> TokenMergeSettings:
         """The same behaviour, with each ratio replaced by the ratio the stride allows."""
-        return replace(self, ratio=effective_ratio(self.ratio, self.sx, self.sy),
-                       hr_ratio=effective_ratio(self.hr_ratio, self.sx, self.sy))
+        return replace(self, ratio=effective_ratio(self.ratio, *self.cap_cell()),
+                       hr_ratio=effective_ratio(self.hr_ratio, *self.cap_cell()))
 
     # -- infotext ------------------------------------------------------------------------------------------
 
@@ -270,20 +287,21 @@ def pasted_value(key: str, params: Mapping[str, str]) -> Any:
         return None
 
 
-def ratio_note(ratio: Any, hr_ratio: Any, sx: Any, sy: Any) -> str:
-    """A line for the UI when a requested ratio exceeds what the stride allows; "" otherwise or when the
-    values are not valid (validation reports those at generation time)."""
+def ratio_note(ratio: Any, hr_ratio: Any, sx: Any, sy: Any, method: Any = "ToMe") -> str:
+    """A line for the UI when a requested ratio exceeds what the stride (the local method: its 2×2 window)
+    allows; "" otherwise or when the values are not valid (validation reports those at generation time)."""
     try:
-        settings = TokenMergeSettings(ratio=ratio, hr_ratio=hr_ratio, sx=sx, sy=sy)
+        settings = TokenMergeSettings(ratio=ratio, hr_ratio=hr_ratio, sx=sx, sy=sy, method=method)
     except (TypeError, ValueError):
         return ""
-    cap = ratio_cap(settings.sx, settings.sy)
+    cap = ratio_cap(*settings.cap_cell())
     notes = [f"{name} {requested:g} will be used as {cap:.4g}"
              for name, requested in (("ratio", settings.ratio), ("hires ratio", settings.hr_ratio))
              if requested > cap]
     if not notes:
         return ""
-    return f"Stride {settings.sx}×{settings.sy} caps the ratio at {cap:.4g}: {'; '.join(notes)}."
+    cell = "The local method's 2×2 window" if settings.method == "local" else f"Stride {settings.sx}×{settings.sy}"
+    return f"{cell} caps the ratio at {cap:.4g}: {'; '.join(notes)}."
 
 
 def evaluation_progress(step: Any, total: Any, steps: Any = None) -> float | None:

@@ -5,6 +5,8 @@
 - ``tomesd``: tomesd 0.1.3 with the same options (when installed).
 - ``ToDo``: ours with ``method="todo"``: self-attention's keys and values from a grid downsampled by a factor f
   per side (1/f² of them), queries whole.
+- ``Local``: ours with ``method="local"``: one merge plan per level and call from 2×2 windows.
+- ``todo``, ``local`` in ``contenders``: with that method (only when asked for, ``methods=``).
 - ``ideal``: the blocks ours patches run self-attention on the N − r tokens it would keep, but chosen for
   free: the first N − r, no similarity, no matching, no merge; the output goes back to N tokens by a repeat.
   No merging method can be faster, so (speed-up − 1) / (ideal − 1) is the share of what merging can give
@@ -24,6 +26,7 @@ import tome_core
 from tome_core.patch import transformer_levels
 
 NAMES = ("none", "ours", "tomesd", "ideal")
+METHOD_CONTENDERS = ("todo", "local")  # our other methods, raced under their own names when asked for
 
 
 @dataclass(frozen=True)
@@ -135,8 +138,10 @@ def _repeater(kept: dict):
 
 def contenders(ratio: float, use_rand: bool, max_downsample: int | None, tomesd_max_downsample: int, *,
                with_tomesd: bool = True, with_ideal: bool = True,
-               tomesd_setup: Callable[[nn.Module], None] | None = None) -> list[Contender]:
-    """none, ours, tomesd (when installed and wanted) and the ideal, with the same options.
+               tomesd_setup: Callable[[nn.Module], None] | None = None,
+               methods: tuple[str, ...] = ()) -> list[Contender]:
+    """none, ours, tomesd (when installed and wanted), ``methods`` (of ``METHOD_CONTENDERS``) and the ideal,
+    with the same options.
 
     ``tomesd_setup(model)`` runs after tomesd's patch (a lone transformer must be told its grid, which tomesd
     otherwise learns from a U-Net pre-hook).
@@ -154,6 +159,12 @@ def contenders(ratio: float, use_rand: bool, max_downsample: int | None, tomesd_
                 tomesd_setup(m)
 
         out.append(Contender("tomesd", apply_tomesd, tomesd.remove_patch))
+    for method in methods:
+        if method not in METHOD_CONTENDERS:
+            raise ValueError(f"methods: {method!r} is not one of {', '.join(METHOD_CONTENDERS)}")
+        out.append(Contender(method, lambda m, method=method: tome_core.apply_patch(
+            m, ratio=ratio, max_downsample=max_downsample, use_rand=use_rand, method=method),
+            tome_core.remove_patch))
     if with_ideal:
         ideal = IdealPatch(ratio, max_downsample)
         out.append(Contender("ideal", ideal.apply, ideal.remove))
@@ -167,9 +178,11 @@ def setting_name(method: str, setting: str) -> str:
 
 def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = True, seed: int = 0,
            max_downsample: int | None = None, tomesd_max_downsample: int = 1, with_tomesd: bool = True,
-           with_ideal: bool = True, tomesd_setup: Callable[[nn.Module], None] | None = None) -> list[Contender]:
-    """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; tomesd at
-    each ratio (when installed and wanted, with the same options); the ideal at each ratio.
+           with_ideal: bool = True, tomesd_setup: Callable[[nn.Module], None] | None = None,
+           with_local: bool = True) -> list[Contender]:
+    """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; Local at
+    each ratio; tomesd at each ratio (when installed and wanted, with the same options); the ideal at each
+    ratio.
 
     ToMe's and ToDo's random partition is keyed on ``seed``. tomesd draws its partition from a generator it
     forks off torch's global RNG at its first call: seed the global RNG before a run to make it repeatable.
@@ -187,6 +200,11 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
     for factor in todo_factors:
         out.append(labelled("ToDo", f"f={factor}", lambda m, f=factor: tome_core.apply_patch(
             m, method="todo", todo_factor=f, max_downsample=max_downsample, seed=seed), tome_core.remove_patch))
+    if with_local:
+        for ratio in ratios:
+            out.append(labelled("Local", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
+                m, method="local", ratio=r, max_downsample=max_downsample), tome_core.remove_patch,
+                ideal_of(ratio)))
     if with_tomesd and tomesd_available():
         import tomesd
 

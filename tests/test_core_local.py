@@ -1,0 +1,304 @@
+"""The local method: its merge math against a plain reference, one plan per level and call, plan reuse across
+evaluations, static operation counts, batch splits, the int32 path, odd grids and SDXL levels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tome_core
+from tome_core import local as loc
+from test_core_behaviour import _SkipResizingTorch
+from test_core_random_mps_todo import OpRecorder, violations
+from unets import hook_counts, inputs, run, tiny_unet
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+# -- the plan's math -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("h,w", [(8, 8), (9, 7), (5, 6), (3, 3), (2, 2), (12, 4)])
+@pytest.mark.parametrize("ratio", [0.1, 0.25, 0.3, 0.5, 0.6, 0.75, 0.9])
+def test_merge_and_unmerge_equal_a_plain_reference(h, w, ratio):
+    """Per window, the grouping with the window's merge count and the most similar pairs; each group's mean;
+    edge tokens of odd grids never merge; the int32 and int64 paths give the same plan."""
+    x = torch.randn(3, h * w, 6, generator=torch.Generator().manual_seed(h * 100 + w))
+    plans = [loc.plan_local(x, h, w, ratio, idt) for idt in (torch.int32, torch.int64)]
+    want_merged, want_unmerged = loc.reference_merge(x, h, w, ratio)
+    if want_merged.shape[1] == h * w:  # no merge at all: no plan
+        assert plans == [None, None]
+        return
+    for plan in plans:
+        merged = plan.merge(x)
+        torch.testing.assert_close(merged, want_merged, rtol=0, atol=1e-6)
+        torch.testing.assert_close(plan.unmerge(merged), want_unmerged, rtol=0, atol=1e-6)
+    assert all(torch.equal(a.long(), b) for a, b in zip(plans[0].gather_index, plans[1].gather_index))
+    assert torch.equal(plans[0].position.long(), plans[1].position)
+    windows = (h // 2) * (w // 2)
+    assert plans[0].merged_tokens == h * w - min(int(4 * windows * ratio), 3 * windows)
+
+
+def test_merge_counts_are_static_and_evenly_spread():
+    assert loc.window_merges(4, 0.5) == [2, 2, 2, 2]
+    assert loc.window_merges(5, 0.3) == [1, 1, 1, 1, 2]  # int(20 · 0.3) = 6 merges
+    assert loc.window_merges(3, 0.9) == [3, 3, 3]  # capped: one token per window stays
+    assert sum(loc.window_merges(2304, 0.45)) == int(4 * 2304 * 0.45)
+
+
+def test_pairs_merge_exactly_and_unmerge_gives_the_group_mean_to_every_member():
+    """Groups of 2 pad singletons by repetition: (a + a) / 2 is exactly a, so unmerged tokens that merged
+    with nobody come back bit for bit."""
+    x = torch.randn(2, 64, 5)
+    plan = loc.plan_local(x, 8, 8, 0.25, torch.int64)
+    out = plan.unmerge(plan.merge(x))
+    same = (out == x).all(-1)
+    assert plan.group == 2 and int(same.sum()) == 2 * 64 // 2  # one pair per window, two tokens untouched
+
+
+def test_nothing_to_merge_gives_no_plan():
+    assert loc.plan_local(torch.randn(1, 5, 4), 1, 5, 0.5, torch.int64) is None  # no whole 2×2 window
+    assert loc.plan_local(torch.randn(1, 4, 4), 2, 2, 0.1, torch.int64) is None  # int(4 · 0.1) = 0 merges
+
+
+# -- in the U-Net --------------------------------------------------------------------------------------------
+
+def test_ratio_zero_is_bitwise_noop_and_remove_restores_exactly():
+    unet = tiny_unet()
+    x, t, c = inputs()
+    before, hooks = run(unet, x, t, c), hook_counts(unet)
+    tome_core.apply_patch(unet, ratio=0.0, method="local")
+    assert torch.equal(run(unet, x, t, c), before)
+    tome_core.apply_patch(unet, ratio=0.5, method="local", local_replan=3)
+    assert not torch.equal(run(unet, x, t, c), before)
+    tome_core.remove_patch(unet)
+    assert torch.equal(run(unet, x, t, c), before) and hook_counts(unet) == hooks
+
+
+def _count_plans(monkeypatch):
+    made = []
+    real = loc.plan_local
+
+    def counting(metric, h, w, ratio, idt):
+        made.append((tuple(metric.shape), h, w))
+        return real(metric, h, w, ratio, idt)
+
+    monkeypatch.setattr("tome_core.patch.plan_local", counting)
+    return made
+
+
+@pytest.mark.parametrize("layout,levels", [("sd1", 1), ("sdxl", 4), ("sd1", 8)])
+def test_one_plan_per_level_and_call_used_by_every_block_of_the_level(monkeypatch, layout, levels):
+    unet = tiny_unet(layout)
+    x, t, c = inputs()
+    made = _count_plans(monkeypatch)
+    tome_core.apply_patch(unet, ratio=0.5, method="local", max_downsample=None if levels == 1 else levels)
+    patch = tome_core.get_patch(unet)
+    used = []
+    for rec in patch.selected:
+        rec.module.attn1.register_forward_pre_hook(lambda m, a, rec=rec: used.append((rec.level, id(rec.plan))))
+    run(unet, x, t, c)
+    selected_levels = {rec.level for rec in patch.selected}
+    if layout == "sdxl" and levels == 4:
+        assert selected_levels == {1, 2}  # SDXL has no attention at full resolution
+    assert len(made) == len(selected_levels)
+    for level in selected_levels:
+        assert len({plan for lv, plan in used if lv == level}) == 1
+    assert len(used) == len(patch.selected) > len(selected_levels)
+
+
+def test_auto_levels_on_sdxl_merge_at_its_first_attention_level():
+    unet = tiny_unet("sdxl")
+    tome_core.apply_patch(unet, method="local")
+    assert {rec.level for rec in tome_core.get_patch(unet).selected} == {1}
+    x, t, c = inputs()
+    assert run(unet, x, t, c).shape == x.shape
+
+
+@pytest.mark.parametrize("h,w", [(8, 8), (9, 9), (17, 8), (11, 23), (33, 36)])
+def test_every_latent_size_works(monkeypatch, h, w):
+    import ldm.modules.diffusionmodules.openaimodel as openaimodel
+
+    monkeypatch.setattr(openaimodel, "th", _SkipResizingTorch())
+    unet = tiny_unet()
+    x, t, c = inputs(batch=2, h=h, w=w)
+    before = run(unet, x, t, c)
+    tome_core.apply_patch(unet, ratio=0.6, method="local", max_downsample=8, merge_crossattn=True, merge_mlp=True)
+    out = run(unet, x, t, c)
+    assert out.shape == before.shape and torch.isfinite(out).all()
+
+
+def test_cond_and_uncond_apart_equal_stacked_also_with_plan_reuse():
+    """Plans are per batch row, so split calls give each row the plan of the stacked call; with reuse, the
+    calls of one evaluation are told apart by their order, the same in every evaluation."""
+    unet = tiny_unet()
+    x, t, c = inputs(batch=2)
+    for every in (1, 3):
+        outs = {}
+        for split in (False, True):
+            tome_core.apply_patch(unet, ratio=0.5, method="local", local_replan=every)
+            steps = []
+            for step in range(4):
+                tome_core.set_progress(unet, (step + 0.5) / 4)
+                xs = x * (1 - 0.1 * step)
+                if split:
+                    steps.append(torch.cat([run(unet, xs[i:i + 1], t[i:i + 1], c[i:i + 1]) for i in range(2)]))
+                else:
+                    steps.append(run(unet, xs, t, c))
+            outs[split] = torch.stack(steps)
+        # Float noise of batched against single-row kernels only; a different plan moves outputs by ~1e-2.
+        torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+
+
+def test_plan_reuse_every_k_evaluations(monkeypatch):
+    """Fresh plans at evaluations 0, k, 2k, ... of a run, reused in between; a lower progress starts a new
+    run; k = 1, or no progress, plans every call and equals no reuse bit for bit."""
+    unet = tiny_unet()
+    x, t, c = inputs(batch=2)
+    made = _count_plans(monkeypatch)
+    # Each step's latent differs in direction, not only in scale (cosine similarity ignores scale).
+    noise = torch.randn((6,) + x.shape, generator=torch.Generator().manual_seed(5))
+
+    def sample(every, progress=True, steps=6):
+        tome_core.apply_patch(unet, ratio=0.5, method="local", local_replan=every)
+        outs, counts = [], []
+        for step in range(steps):
+            tome_core.set_progress(unet, (step + 0.5) / steps if progress else None)
+            before = len(made)
+            outs.append(run(unet, x + noise[step], t, c))
+            counts.append(len(made) - before)
+        return torch.stack(outs), counts
+
+    plain, counts = sample(1, progress=False)
+    assert counts == [1] * 6
+    every_one, counts = sample(1)
+    assert torch.equal(every_one, plain) and counts == [1] * 6
+    reused, counts = sample(3)
+    assert counts == [1, 0, 0, 1, 0, 0]
+    assert torch.equal(reused[0], plain[0]) and torch.equal(reused[3], plain[3])
+    assert not torch.equal(reused[1], plain[1])
+    again, _ = sample(3)
+    assert torch.equal(again, reused)
+    # The same patch, a second run: progress goes back down, so the run starts with fresh plans.
+    patch = tome_core.get_patch(unet)
+    for step in range(2):
+        tome_core.set_progress(unet, (step + 0.5) / 6)
+        before = len(made)
+        out = run(unet, x + noise[step], t, c)
+        assert len(made) - before == (1 if step == 0 else 0)
+        assert torch.equal(out, reused[step])
+    assert tome_core.get_patch(unet) is patch
+
+
+class DispatchCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _added_operations(unet, x, t, c, **options) -> tuple[int, int]:
+    def count():
+        run(unet, x, t, c)  # tables made once per grid are not what a step costs
+        with DispatchCounter() as counter:
+            run(unet, x, t, c)
+        return counter.count
+
+    plain = count()
+    tome_core.apply_patch(unet, **options)
+    blocks = len(tome_core.get_patch(unet).selected)
+    added = count() - plain
+    tome_core.remove_patch(unet)
+    return added, blocks
+
+
+def test_operations_added_per_block_are_few_and_do_not_grow_with_the_image():
+    """A count of dispatched operations is behaviour, not time: each costs host time on a GPU. Merge and
+    unmerge add 8 per block; the plan about 25 per level and call, shared by the level's blocks (SD 1.5's top
+    level has 5, SDXL's 10; this U-Net's 3, the hardest case)."""
+    unet = tiny_unet("sd1")
+    x = torch.randn(2, 64, 8)
+    plan = loc.plan_local(x, 8, 8, 0.5, torch.int64)
+    with DispatchCounter() as counter:
+        plan.unmerge(plan.merge(x))
+    assert counter.count == 8
+    counts = {}
+    for side in (16, 32, 48):
+        x, t, c = inputs(batch=2, h=side, w=side)
+        added, blocks = _added_operations(unet, x, t, c, ratio=0.5, method="local")
+        counts[side] = added
+        assert added / blocks <= 15, (side, added, blocks)
+    assert len(set(counts.values())) == 1, counts
+    # Exact ToMe adds many more per block (its figure grows with nothing either, but is far above 15).
+    x, t, c = inputs(batch=2, h=32, w=32)
+    tome, blocks = _added_operations(unet, x, t, c, ratio=0.5)
+    assert tome / blocks > 3 * counts[32] / blocks
+
+
+def test_int32_path_obeys_mps_rules_and_equals_int64():
+    unet = tiny_unet()
+    x, t, c = inputs(batch=2, h=24, w=40)
+    opts = dict(ratio=0.6, method="local", merge_crossattn=True, merge_mlp=True, max_downsample=2)
+    tome_core.apply_patch(unet, index_dtype=torch.int64, **opts)
+    wide = run(unet, x, t, c)
+    tome_core.apply_patch(unet, index_dtype=torch.int32, **opts)
+    run(unet, x, t, c)  # index tables are made on the CPU once per grid, then moved: record a step
+    with OpRecorder() as rec, torch.no_grad():
+        narrow = unet(x, t, context=c)
+    assert torch.equal(narrow, wide)
+    names = {f.overloadpacket.__name__ for f, _, _ in rec.calls}
+    assert {"index_select", "argmax", "bmm", "lerp"} <= names, "the local plan did not run under the recorder"
+    assert violations(rec.calls) == []
+
+
+def test_an_attention_call_with_another_batch_or_token_count_runs_unmerged():
+    """ControlNet's reference mode runs attn1 on part of the batch; HyperTile splits the tokens: such a call
+    gets exact attention, and the next call of the block is merged again."""
+    unet = tiny_unet()
+    tome_core.apply_patch(unet, ratio=0.5, method="local")
+    rec = tome_core.get_patch(unet).selected[0]
+    attn1 = rec.module.attn1
+    x = torch.randn(2, 64, attn1.to_q.in_features)
+    rec.grid = (8, 8)
+    rec.plan = tome_core.get_patch(unet).local_plan(rec, x)
+    assert rec.plan is not None
+    with torch.no_grad():
+        for part in (x[:1], x[:, :32]):
+            tome_core.get_patch(unet).uninstall()
+            exact = attn1(part)
+            tome_core.apply_patch(unet, ratio=0.5, method="local")
+            rec = tome_core.get_patch(unet).selected[0]
+            rec.grid = (8, 8)
+            rec.plan = tome_core.get_patch(unet).local_plan(rec, x)
+            assert torch.equal(attn1(part), exact)
+            merged = attn1(x)
+            assert merged.shape == x.shape and not torch.equal(merged, attn1.forward(x))
+
+
+@pytest.mark.parametrize("kwargs,exc,name", [
+    (dict(method="local", local_replan=0), ValueError, "local_replan"),
+    (dict(method="local", local_replan=2.5), TypeError, "local_replan"),
+    (dict(method="local", local_replan=True), TypeError, "local_replan"),
+    (dict(method="Local"), ValueError, "method"),
+])
+def test_bad_options_are_refused_and_leave_the_model_alone(kwargs, exc, name):
+    unet = tiny_unet()
+    hooks = hook_counts(unet)
+    with pytest.raises(exc, match=name):
+        tome_core.apply_patch(unet, **kwargs)
+    assert hook_counts(unet) == hooks and not tome_core.is_patched(unet)
+
+
+def test_a_lone_transformer_plans_per_block_call():
+    unet = tiny_unet()
+    transformer = next(m for m in unet.modules() if type(m).__name__ == "SpatialTransformer")
+    tome_core.apply_patch(transformer, ratio=0.5, method="local")
+    x = torch.randn(2, transformer.in_channels, 8, 8)
+    c = torch.randn(2, 7, 24)
+    with torch.no_grad():
+        out = transformer(x, context=c)
+    assert out.shape == x.shape and isinstance(transformer, nn.Module)
