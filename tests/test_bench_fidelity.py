@@ -106,14 +106,14 @@ def test_side_by_side_has_a_row_per_method_and_the_unmerged_image_first(tmp_path
     entries = [Entry(c.name, c.method, c.setting, c.ideal) for c in racers]
     case = Case("stand-in", SIZE, entries, fidelity=pictures.fidelity())
     rows = case_rows(case, pictures)
-    assert [label for label, _ in rows] == ["ToMe", "ToDo", "tomesd"]
+    assert [label for label, _ in rows] == ["ToMe", "ToDo", "Local", "tomesd"]
     assert all(tiles[0].caption[0] == "no merging" for _, tiles in rows)
-    assert [len(tiles) for _, tiles in rows] == [3, 4, 3]
+    assert [len(tiles) for _, tiles in rows] == [3, 4, 3, 3]
     path = tmp_path / "sheet.png"
     size = write_case_sheet(str(path), case, pictures, "title")
     tile = tile_side(SIZE)
     assert tile >= 160 and tile % SIZE == 0  # small pictures enlarged by a whole factor
-    assert Image.open(path).size == size == sheet_size(3, 4, tile)
+    assert Image.open(path).size == size == sheet_size(4, 4, tile)
 
 
 # -- operations a patched block dispatches --------------------------------------------------------------------------
@@ -155,11 +155,12 @@ def test_the_default_run_reports_every_method_with_speed_and_fidelity(monkeypatc
     lines = [line for line in out.splitlines() if line.startswith(f"| stand-in proxy | {SIZE} |")]
     methods = [(line.split("|")[3].strip(), line.split("|")[4].strip()) for line in lines]
     assert methods == [("none", "–"), ("ToMe", "0.30"), ("ToMe", "0.50"), ("ToMe", "0.70"), ("ToDo", "f=2"),
-                       ("ToDo", "f=3"), ("ToDo", "f=4"), ("tomesd", "0.30"), ("tomesd", "0.50"),
+                       ("ToDo", "f=3"), ("ToDo", "f=4"), ("Local", "0.30"), ("Local", "0.50"), ("Local", "0.70"),
+                       ("tomesd", "0.30"), ("tomesd", "0.50"),
                        ("tomesd", "0.70"), ("ideal", "0.30"), ("ideal", "0.50"), ("ideal", "0.70")]
     cells = {m: line.strip("|").split("|") for m, line in zip(methods, lines)}
     assert [c.strip() for c in cells[("none", "–")][4:]] == ["10.0 (0%)", "1.00x", "–", "∞", "1.000", "0"]
-    for key in [m for m in methods if m[0] in ("ToMe", "ToDo", "tomesd")]:
+    for key in [m for m in methods if m[0] in ("ToMe", "ToDo", "Local", "tomesd")]:
         psnr_cell, ssim_cell, ops_cell = (c.strip() for c in cells[key][7:10])
         assert math.isfinite(float(psnr_cell)) and float(ssim_cell) <= 1 and float(ops_cell) > 0, key
     assert "the decoded images after 2 Euler steps" in out

@@ -120,7 +120,8 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
 
         def time_one(name):
             counts[name] = counts.get(name, 0) + 1
-            base = {"none": 100.0, "ToMe 0.50": 80.0, "ToDo f=2": 90.0, "tomesd 0.50": 85.0, "ideal 0.50": 60.0}[name]
+            base = {"none": 100.0, "ToMe 0.50": 80.0, "ToDo f=2": 90.0, "Local 0.50": 70.0, "tomesd 0.50": 85.0,
+                    "ideal 0.50": 60.0}[name]
             return base * (1.5 if noisy and name == "ToMe 0.50" and counts[name] % 2 else 1.0)
         return time_one
 
@@ -134,6 +135,7 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
         assert "| sd15 | 64 | none | – | 100.0 (0%) | 1.00x | – | – | – | 0 |" in out
         assert "| sd15 | 64 | ToMe | 0.50 | 80.0 (0%) | 1.25x | 37% | – | – |" in out
         assert "| sd15 | 64 | ToDo | f=2 | 90.0 (0%) | 1.11x | – | – | – |" in out
+        assert "| sd15 | 64 | Local | 0.50 | 70.0 (0%) | 1.43x | 64% | – | – |" in out
         assert "| sd15 | 64 | tomesd | 0.50 | 85.0 (0%) | 1.18x | 26% | – | – |" in out
         assert "| sd15 | 64 | ideal | 0.50 | 60.0 (0%) | 1.67x | – |" in out
         assert "Random weights: no fidelity figure" in out
@@ -274,11 +276,12 @@ def test_ideal_shrinks_self_attention_in_the_blocks_ours_patches_and_undoes_itse
 
 def test_the_roster_has_every_method_at_every_setting():
     racers = roster([0.3, 0.5], [2, 4])
-    assert [c.name for c in racers] == ["none", "ToMe 0.30", "ToMe 0.50", "ToDo f=2", "ToDo f=4", "tomesd 0.30",
-                                        "tomesd 0.50", "ideal 0.30", "ideal 0.50"]
+    assert [c.name for c in racers] == ["none", "ToMe 0.30", "ToMe 0.50", "ToDo f=2", "ToDo f=4", "Local 0.30",
+                                        "Local 0.50", "tomesd 0.30", "tomesd 0.50", "ideal 0.30", "ideal 0.50"]
     assert {c.name: c.ideal for c in racers if c.ideal} == {"ToMe 0.30": "ideal 0.30", "ToMe 0.50": "ideal 0.50",
+                                                           "Local 0.30": "ideal 0.30", "Local 0.50": "ideal 0.50",
                                                            "tomesd 0.30": "ideal 0.30", "tomesd 0.50": "ideal 0.50"}
-    bare = roster([0.5], [2], with_tomesd=False, with_ideal=False)
+    bare = roster([0.5], [2], with_tomesd=False, with_ideal=False, with_local=False)
     assert [c.name for c in bare] == ["none", "ToMe 0.50", "ToDo f=2"] and all(c.ideal is None for c in bare)
 
 
