@@ -81,8 +81,8 @@ def race(label: str, model: nn.Module, call: Callable[[], object], racers: list[
          ) -> dict[str, Spread]:
     """Each contender's ms per ``call()`` over interleaved rounds; notes the cores others used meanwhile.
 
-    With ``ops``, each contender's warm-up call is made under an op counter instead (its result is not timed
-    either way) and ``ops`` gets the dispatched operations a patched block adds, by contender name.
+    With ``ops``, each contender's warm-up is two calls, the second under an op counter (neither is timed), and
+    ``ops`` gets the dispatched operations a patched block adds at every later call, by contender name.
     """
     setup.progress.set_postfix_str(label)
     watch = CpuWatch()
@@ -96,6 +96,10 @@ def race(label: str, model: nn.Module, call: Callable[[], object], racers: list[
         racer = by_name[name]
         racer.apply(model)
         try:
+            # A first call builds what a method keeps for every later call at this size (index tables,
+            # cached partitions); the second call's operations are what each step costs.
+            with torch.no_grad():
+                call()
             counts[name] = count_ops(model, call)
         finally:
             racer.remove(model)
