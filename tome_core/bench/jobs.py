@@ -57,14 +57,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def contender_names(with_tomesd: bool = True, with_ideal: bool = True) -> list[str]:
     """The methods a run will race, in their order."""
-    return (["none", "ToMe", "ToDo"] + (["tomesd"] if with_tomesd and tomesd_available() else [])
+    return (["none", "ToMe", "ToDo", "Local"] + (["tomesd"] if with_tomesd and tomesd_available() else [])
             + (["ideal"] if with_ideal else []))
 
 
 def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True) -> int:
     """How many contenders a roster of ``ratios`` ratios and ``todo_factors`` factors holds."""
     names = contender_names(with_tomesd, with_ideal)
-    return 1 + ratios * (1 + ("tomesd" in names) + ("ideal" in names)) + todo_factors
+    return 1 + ratios * (2 + ("tomesd" in names) + ("ideal" in names)) + todo_factors  # ToMe and Local per ratio
 
 
 def inputs(batch: int, channels: int, side: int, ctx_dim: int, depth: int, device: torch.device,
