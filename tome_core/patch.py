@@ -375,6 +375,16 @@ def _fits(rec: _BlockRecord, x) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[0], x.shape[1]) == rec.layout
 
 
+def _merged_arguments(merge, args, kwargs, x: torch.Tensor, self_attention: bool):
+    """The call's arguments with ``x`` merged, and with it self-attention's explicit key/value sources."""
+    done = {id(x): merge(x)}
+    args, kwargs = list(args), dict(kwargs)
+    _set_slot(args, kwargs, 0, "x", done[id(x)])
+    if self_attention:
+        _map_kv_sources(args, kwargs, x, merge, done)
+    return tuple(args), kwargs
+
+
 def _local_plan_taker(patch: TokenMergePatch, rec: _BlockRecord):
     def hook(module, args, kwargs):
         rec.plan = patch.local_plan(rec, _first_arg(args, kwargs, "x"))
@@ -395,12 +405,7 @@ def _local_merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: boo
                 patch.unmerged_calls += 1
             return None
         rec.used = True
-        done = {id(x): plan.merge(x)}
-        args, kwargs = list(args), dict(kwargs)
-        _set_slot(args, kwargs, 0, "x", done[id(x)])
-        if self_attention:
-            _map_kv_sources(args, kwargs, x, plan.merge, done)
-        return tuple(args), kwargs
+        return _merged_arguments(plan.merge, args, kwargs, x, self_attention)
     return hook
 
 
@@ -464,12 +469,7 @@ def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, mer
             return None
         rec.used = True
         merged_calls.append(True)
-        done = {id(x): plan.merge(x)}
-        args, kwargs = list(args), dict(kwargs)
-        _set_slot(args, kwargs, 0, "x", done[id(x)])
-        if self_attention:
-            _map_kv_sources(args, kwargs, x, plan.merge, done)
-        return tuple(args), kwargs
+        return _merged_arguments(plan.merge, args, kwargs, x, self_attention)
     return hook
 
 
