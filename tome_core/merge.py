@@ -35,6 +35,10 @@ class MergePlan:
         self.tokens = tokens
         self.merged_tokens = merged_tokens
 
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` (B, N, ·) has the batch rows and tokens this plan was made for."""
+        return x.dim() == 3 and x.shape[0] == self.batch and x.shape[1] == self.tokens
+
     def merge(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, C) -> (B, N - r, C): each destination becomes the mean of itself and its sources."""
         b, n, c = x.shape

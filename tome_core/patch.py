@@ -171,9 +171,8 @@ class TokenMergePatch:
             hook(self.root.register_forward_pre_hook(self._record_timestep, with_kwargs=True))
         for t, recs in self._grid_sources.values():
             hook(t.register_forward_pre_hook(_grid_recorder(recs), with_kwargs=True))
-        if o.method == "local":
-            self._install_local()
-            return
+        if o.method == "local" and self._has_call_hook:
+            hook(self.root.register_forward_pre_hook(self._begin_local_call, with_kwargs=True))
         for rec in self.selected:
             rec.key = host_key(seed, rec.index)
             blk = rec.module
@@ -189,24 +188,6 @@ class TokenMergePatch:
                     hook(sub.register_forward_pre_hook(_merger(self, rec, self_attention, merged_calls),
                                                        with_kwargs=True))
                     hook(sub.register_forward_hook(_unmerger(rec, merged_calls)))
-
-    def _install_local(self) -> None:
-        """The local method: a per-call pre-hook on the U-Net, a plan taker per block, and merge/unmerge
-        hooks that act only on inputs with the (batch, tokens) the level's plan was made for."""
-        o, hook = self.options, self._hook
-        if self._has_call_hook:
-            hook(self.root.register_forward_pre_hook(self._begin_local_call, with_kwargs=True))
-        for rec in self.selected:
-            blk = rec.module
-            hook(blk.register_forward_pre_hook(_local_plan_taker(self, rec), with_kwargs=True))
-            hook(blk.register_forward_hook(_plan_dropper(self, rec)))
-            for wanted, sub, self_attention in ((o.merge_attn, blk.attn1, rec.self_attention),
-                                                (o.merge_crossattn, blk.attn2, False), (o.merge_mlp, blk.ff, False)):
-                if wanted:
-                    merged: list[bool] = [False]  # whether this submodule's current call was merged
-                    hook(sub.register_forward_pre_hook(_local_merger(self, rec, self_attention, merged),
-                                                       with_kwargs=True))
-                    hook(sub.register_forward_hook(_local_unmerger(rec, merged)))
 
     def _hook(self, handle) -> None:
         self._handles.append(handle)
@@ -307,6 +288,8 @@ class TokenMergePatch:
 
     def make_plan(self, rec: _BlockRecord, x: torch.Tensor):
         o = self.options
+        if o.method == "local":
+            return self.local_plan(rec, x)
         if rec.grid is None or not o.in_window(self.progress) or x is None or x.dim() != 3:
             return None
         h, w = rec.grid
@@ -371,7 +354,7 @@ def _plan_dropper(patch: TokenMergePatch, rec: _BlockRecord):
 
 
 def _fits(rec: _BlockRecord, x) -> bool:
-    """``x`` is laid out as the block input the plan was made for: same batch rows, same tokens."""
+    """``x`` is laid out as the block input ToDo's grid was recorded for: same batch rows, same tokens."""
     return isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[0], x.shape[1]) == rec.layout
 
 
@@ -383,39 +366,6 @@ def _merged_arguments(merge, args, kwargs, x: torch.Tensor, self_attention: bool
     if self_attention:
         _map_kv_sources(args, kwargs, x, merge, done)
     return tuple(args), kwargs
-
-
-def _local_plan_taker(patch: TokenMergePatch, rec: _BlockRecord):
-    def hook(module, args, kwargs):
-        rec.plan = patch.local_plan(rec, _first_arg(args, kwargs, "x"))
-        rec.used = False
-    return hook
-
-
-def _local_merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, merged: list[bool]):
-    """Merge the submodule's input by the level's plan, and self-attention's explicit key/value sources with
-    it. An input whose (batch, tokens) the plan was not made for (ControlNet's reference mode runs attention
-    on part of the batch; HyperTile splits the tokens) runs unmerged, and is counted as in ``_merger``."""
-    def hook(module, args, kwargs):
-        plan = rec.plan
-        x = _first_arg(args, kwargs, "x")
-        merged[0] = isinstance(plan, LocalPlan) and isinstance(x, torch.Tensor) and plan.fits(x)
-        if not merged[0]:
-            if isinstance(plan, LocalPlan):
-                patch.unmerged_calls += 1
-            return None
-        rec.used = True
-        return _merged_arguments(plan.merge, args, kwargs, x, self_attention)
-    return hook
-
-
-def _local_unmerger(rec: _BlockRecord, merged: list[bool]):
-    def hook(module, args, output):
-        if not merged[0]:
-            return None
-        merged[0] = False
-        return rec.plan.unmerge(output)
-    return hook
 
 
 # Where the keys' and values' source of an attention call can be: ldm and sgm call self-attention with
@@ -461,7 +411,7 @@ def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, mer
             merged_calls.append(False)
             return None
         x = _first_arg(args, kwargs, "x")
-        if not _fits(rec, x):
+        if not (isinstance(x, torch.Tensor) and plan.fits(x)):
             # Called on rows or tokens the plan was not made for (ControlNet's reference mode attends with the
             # unconditional rows alone, HyperTile tiles the tokens): exact attention on that input.
             patch.unmerged_calls += 1
