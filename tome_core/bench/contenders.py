@@ -1,12 +1,11 @@
 """What the benchmark races, each as a way to patch a model and undo it.
 
 - ``none``: the model as it is.
-- ``ours``: ``tome_core.apply_patch``.
+- ``ToMe``: ours, ``tome_core.apply_patch``.
 - ``tomesd``: tomesd 0.1.3 with the same options (when installed).
 - ``ToDo``: ours with ``method="todo"``: self-attention's keys and values from a grid downsampled by a factor f
   per side (1/f² of them), queries whole.
 - ``Local``: ours with ``method="local"``: one merge plan per level and call from 2×2 windows.
-- ``todo``, ``local`` in ``contenders``: with that method (only when asked for, ``methods=``).
 - ``ideal``: the blocks ours patches run self-attention on the N − r tokens it would keep, but chosen for
   free: the first N − r, no similarity, no matching, no merge; the output goes back to N tokens by a repeat.
   No merging method can be faster, so (speed-up − 1) / (ideal − 1) is the share of what merging can give
@@ -24,9 +23,6 @@ from torch import nn
 
 import tome_core
 from tome_core.patch import transformer_levels
-
-NAMES = ("none", "ours", "tomesd", "ideal")
-METHOD_CONTENDERS = ("todo", "local")  # our other methods, raced under their own names when asked for
 
 
 @dataclass(frozen=True)
@@ -134,41 +130,6 @@ def _repeater(kept: dict):
         # (B, M, C) -> (B, N, C): a plain copy, the cheapest way back to N tokens.
         return output.repeat(1, math.ceil(n / output.shape[1]), 1)[:, :n]
     return hook
-
-
-def contenders(ratio: float, use_rand: bool, max_downsample: int | None, tomesd_max_downsample: int, *,
-               with_tomesd: bool = True, with_ideal: bool = True,
-               tomesd_setup: Callable[[nn.Module], None] | None = None,
-               methods: tuple[str, ...] = ()) -> list[Contender]:
-    """none, ours, tomesd (when installed and wanted), ``methods`` (of ``METHOD_CONTENDERS``) and the ideal,
-    with the same options.
-
-    ``tomesd_setup(model)`` runs after tomesd's patch (a lone transformer must be told its grid, which tomesd
-    otherwise learns from a U-Net pre-hook).
-    """
-    out = [Contender("none", lambda m: None, lambda m: None),
-           Contender("ours", lambda m: tome_core.apply_patch(m, ratio=ratio, max_downsample=max_downsample,
-                                                             use_rand=use_rand),
-                     tome_core.remove_patch)]
-    if with_tomesd and tomesd_available():
-        import tomesd
-
-        def apply_tomesd(m: nn.Module) -> None:
-            tomesd.apply_patch(m, ratio=ratio, max_downsample=tomesd_max_downsample, use_rand=use_rand)
-            if tomesd_setup is not None:
-                tomesd_setup(m)
-
-        out.append(Contender("tomesd", apply_tomesd, tomesd.remove_patch))
-    for method in methods:
-        if method not in METHOD_CONTENDERS:
-            raise ValueError(f"methods: {method!r} is not one of {', '.join(METHOD_CONTENDERS)}")
-        out.append(Contender(method, lambda m, method=method: tome_core.apply_patch(
-            m, ratio=ratio, max_downsample=max_downsample, use_rand=use_rand, method=method),
-            tome_core.remove_patch))
-    if with_ideal:
-        ideal = IdealPatch(ratio, max_downsample)
-        out.append(Contender("ideal", ideal.apply, ideal.remove))
-    return out
 
 
 def setting_name(method: str, setting: str) -> str:
