@@ -157,7 +157,8 @@ def test_the_default_run_reports_every_method_with_speed_and_fidelity(monkeypatc
     assert methods == [("none", "–"), ("ToMe", "0.30"), ("ToMe", "0.50"), ("ToMe", "0.70"), ("ToDo", "f=2"),
                        ("ToDo", "f=3"), ("ToDo", "f=4"), ("Local", "0.30"), ("Local", "0.50"), ("Local", "0.70"),
                        ("tomesd", "0.30"), ("tomesd", "0.50"),
-                       ("tomesd", "0.70"), ("ideal", "0.30"), ("ideal", "0.50"), ("ideal", "0.70")]
+                       ("tomesd", "0.70"), ("ideal", "0.30"), ("ideal", "0.50"), ("ideal", "0.70"),
+                       ("ideal", "KV 0.30"), ("ideal", "KV 0.50"), ("ideal", "KV 0.70")]
     cells = {m: line.strip("|").split("|") for m, line in zip(methods, lines)}
     assert [c.strip() for c in cells[("none", "–")][4:]] == ["10.0 (0%)", "1.00x", "–", "∞", "1.000", "0"]
     for key in [m for m in methods if m[0] in ("ToMe", "ToDo", "Local", "tomesd")]:

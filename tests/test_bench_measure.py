@@ -8,7 +8,9 @@ import torch
 
 import tome_core
 from tome_core.bench import archs, cli, jobs
+from tome_core import local
 from tome_core.bench.contenders import IdealPatch, Wrapped, roster
+from tome_core.bench.jobs import roster_size
 from tome_core.bench.report import (BUSY_SPREAD, Case, Entry, Fidelity, Load, busy_warning, find_busy, share_of_ideal,
                                     table, table_line)
 from tome_core.bench.timing import Spread, interleaved_rounds, rotated
@@ -121,7 +123,7 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
         def time_one(name):
             counts[name] = counts.get(name, 0) + 1
             base = {"none": 100.0, "ToMe 0.50": 80.0, "ToDo f=2": 90.0, "Local 0.50": 70.0, "tomesd 0.50": 85.0,
-                    "ideal 0.50": 60.0}[name]
+                    "ideal 0.50": 60.0, "ideal KV 0.50": 65.0}[name]
             return base * (1.5 if noisy and name == "ToMe 0.50" and counts[name] % 2 else 1.0)
         return time_one
 
@@ -135,7 +137,7 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
         assert "| sd15 | 64 | none | – | 100.0 (0%) | 1.00x | – | – | – | 0 |" in out
         assert "| sd15 | 64 | ToMe | 0.50 | 80.0 (0%) | 1.25x | 37% | – | – |" in out
         assert "| sd15 | 64 | ToDo | f=2 | 90.0 (0%) | 1.11x | – | – | – |" in out
-        assert "| sd15 | 64 | Local | 0.50 | 70.0 (0%) | 1.43x | 64% | – | – |" in out
+        assert "| sd15 | 64 | Local | 0.50 | 70.0 (0%) | 1.43x | 80% | – | – |" in out  # of the KV ideal's 1.54x
         assert "| sd15 | 64 | tomesd | 0.50 | 85.0 (0%) | 1.18x | 26% | – | – |" in out
         assert "| sd15 | 64 | ideal | 0.50 | 60.0 (0%) | 1.67x | – |" in out
         assert "Random weights: no fidelity figure" in out
@@ -243,6 +245,31 @@ def test_ideal_keeps_what_ours_keeps(h, w, ratio, kept):
     assert IdealPatch(ratio, None).kept_tokens(h, w) == kept
 
 
+@pytest.mark.parametrize("h, w", [(64, 64), (9, 7), (5, 6), (2, 2)])
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.6, 0.9])
+def test_the_keys_and_values_ideal_keeps_as_many_tokens_as_local(h, w, ratio):
+    plan = local.plan_local(torch.randn(1, h * w, 4), h, w, ratio, torch.int64)
+    assert IdealPatch(ratio, None, keys_only=True).kept_tokens(h, w) == (plan.merged_tokens if plan else h * w)
+
+
+def test_the_keys_and_values_ideal_keeps_every_query():
+    """Each patched self-attention call: all N queries against the first N − r tokens as keys and values, by
+    the attention module's own code with that context; nothing else changes, and it undoes itself."""
+    unet = tiny_unet()
+    x, t, c = inputs(h=16, w=16)
+    plain = run(unet, x, t, c)
+    ideal = IdealPatch(0.5, None, keys_only=True)
+    ideal.apply(Wrapped(unet))
+    attn1 = next(m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock").attn1
+    out = run(unet, x, t, c)  # the transformer's hook records the 16×16 grid
+    assert out.shape == plain.shape and not torch.equal(out, plain)
+    tokens = torch.randn(2, 256, attn1.to_q.in_features)
+    with torch.no_grad():
+        assert torch.equal(attn1(tokens), attn1.forward(tokens, context=tokens[:, :128]))
+    ideal.remove()
+    assert torch.equal(run(unet, x, t, c), plain)
+
+
 def _self_attention_tokens(unet, x, t, c):
     seen = []
     handles = [m.attn1.register_forward_pre_hook(lambda mod, a, k: seen.append((a[0] if a else k["x"]).shape[1]),
@@ -277,10 +304,13 @@ def test_ideal_shrinks_self_attention_in_the_blocks_ours_patches_and_undoes_itse
 def test_the_roster_has_every_method_at_every_setting():
     racers = roster([0.3, 0.5], [2, 4])
     assert [c.name for c in racers] == ["none", "ToMe 0.30", "ToMe 0.50", "ToDo f=2", "ToDo f=4", "Local 0.30",
-                                        "Local 0.50", "tomesd 0.30", "tomesd 0.50", "ideal 0.30", "ideal 0.50"]
+                                        "Local 0.50", "tomesd 0.30", "tomesd 0.50", "ideal 0.30", "ideal 0.50",
+                                        "ideal KV 0.30", "ideal KV 0.50"]
     assert {c.name: c.ideal for c in racers if c.ideal} == {"ToMe 0.30": "ideal 0.30", "ToMe 0.50": "ideal 0.50",
-                                                           "Local 0.30": "ideal 0.30", "Local 0.50": "ideal 0.50",
+                                                           "Local 0.30": "ideal KV 0.30",
+                                                           "Local 0.50": "ideal KV 0.50",
                                                            "tomesd 0.30": "ideal 0.30", "tomesd 0.50": "ideal 0.50"}
+    assert len(racers) == roster_size(2, 2)
     bare = roster([0.5], [2], with_tomesd=False, with_ideal=False, with_local=False)
     assert [c.name for c in bare] == ["none", "ToMe 0.50", "ToDo f=2"] and all(c.ideal is None for c in bare)
 

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome_core
 from tome_core import local as loc
+from tome_core.merge import downsample_tokens
 from test_core_behaviour import _SkipResizingTorch
 from test_core_random_mps_todo import OpRecorder, violations
 from unets import hook_counts, inputs, run, tiny_unet
@@ -21,23 +22,40 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.mark.parametrize("h,w", [(8, 8), (9, 7), (5, 6), (3, 3), (2, 2), (12, 4)])
 @pytest.mark.parametrize("ratio", [0.1, 0.25, 0.3, 0.5, 0.6, 0.75, 0.9])
-def test_merge_and_unmerge_equal_a_plain_reference(h, w, ratio):
-    """Per window, the grouping with the window's merge count and the most similar pairs; each group's mean;
-    edge tokens of odd grids never merge; the int32 and int64 paths give the same plan."""
+def test_kept_tokens_equal_a_plain_reference(h, w, ratio):
+    """Per window, the grouping with the window's merge count and the most similar pairs, each group kept as
+    its first member; edge tokens of odd grids always kept; the int32 and int64 paths give the same plan."""
     x = torch.randn(3, h * w, 6, generator=torch.Generator().manual_seed(h * 100 + w))
     plans = [loc.plan_local(x, h, w, ratio, idt) for idt in (torch.int32, torch.int64)]
-    want_merged, want_unmerged = loc.reference_merge(x, h, w, ratio)
-    if want_merged.shape[1] == h * w:  # no merge at all: no plan
+    want = loc.reference_keep(x, h, w, ratio)
+    if want.shape[1] == h * w:  # no merge at all: no plan
         assert plans == [None, None]
         return
     for plan in plans:
-        merged = plan.merge(x)
-        torch.testing.assert_close(merged, want_merged, rtol=0, atol=1e-6)
-        torch.testing.assert_close(plan.unmerge(merged), want_unmerged, rtol=0, atol=1e-6)
-    assert all(torch.equal(a.long(), b) for a, b in zip(plans[0].gather_index, plans[1].gather_index))
-    assert torch.equal(plans[0].position.long(), plans[1].position)
+        assert torch.equal(plan.merge(x), want)  # a gather of real tokens: bit for bit
+    assert torch.equal(plans[0].keep_index.long(), plans[1].keep_index)
     windows = (h // 2) * (w // 2)
     assert plans[0].merged_tokens == h * w - min(int(4 * windows * ratio), 3 * windows)
+
+
+def test_the_most_similar_pairs_merge():
+    """Two windows of 2×2 tokens whose alike pairs are known: the kept tokens are one of each alike pair."""
+    a, b, c, d = torch.eye(4)
+    # Window 1: locals 0 and 3 alike, 1 and 2 alike; window 2: 0 and 1 alike, 2 and 3 alike.
+    grid = torch.zeros(2, 4, 4)  # (rows, cols, C) of a 2×4 token grid
+    grid[0, 0], grid[1, 1], grid[0, 1], grid[1, 0] = a, a + 0.01 * b, c, c + 0.01 * d
+    grid[0, 2], grid[0, 3], grid[1, 2], grid[1, 3] = b, b + 0.01 * a, d, d + 0.01 * c
+    x = grid.reshape(1, 8, 4)
+    plan = loc.plan_local(x, 2, 4, 0.5, torch.int64)
+    assert plan.keep_index.tolist() == [0, 1, 2, 6]  # (0,3)|(1,2) keeps locals 0, 1; (0,1)|(2,3) keeps 0, 2
+
+
+def test_three_merges_per_window_are_todos_nearest_downsampling():
+    """At the window's cap every group is the whole window and stands for it by its top-left token: the
+    plan gives the key/value source of ToDo with factor 2 and nearest pooling, whatever the features."""
+    x = torch.randn(2, 8 * 6, 5)
+    plan = loc.plan_local(x, 8, 6, 0.75, torch.int64)
+    assert torch.equal(plan.merge(x), downsample_tokens(x, 8, 6, 2, "nearest"))
 
 
 def test_merge_counts_are_static_and_evenly_spread():
@@ -45,16 +63,6 @@ def test_merge_counts_are_static_and_evenly_spread():
     assert loc.window_merges(5, 0.3) == [1, 1, 1, 1, 2]  # int(20 · 0.3) = 6 merges
     assert loc.window_merges(3, 0.9) == [3, 3, 3]  # capped: one token per window stays
     assert sum(loc.window_merges(2304, 0.45)) == int(4 * 2304 * 0.45)
-
-
-def test_pairs_merge_exactly_and_unmerge_gives_the_group_mean_to_every_member():
-    """Groups of 2 pad singletons by repetition: (a + a) / 2 is exactly a, so unmerged tokens that merged
-    with nobody come back bit for bit."""
-    x = torch.randn(2, 64, 5)
-    plan = loc.plan_local(x, 8, 8, 0.25, torch.int64)
-    out = plan.unmerge(plan.merge(x))
-    same = (out == x).all(-1)
-    assert plan.group == 2 and int(same.sum()) == 2 * 64 // 2  # one pair per window, two tokens untouched
 
 
 def test_nothing_to_merge_gives_no_plan():
@@ -217,15 +225,15 @@ def _added_operations(unet, x, t, c, **options) -> tuple[int, int]:
 
 
 def test_operations_added_per_block_are_few_and_do_not_grow_with_the_image():
-    """A count of dispatched operations is behaviour, not time: each costs host time on a GPU. Merge and
-    unmerge add 8 per block; the plan about 25 per level and call, shared by the level's blocks (SD 1.5's top
-    level has 5, SDXL's 10; this U-Net's 3, the hardest case)."""
+    """A count of dispatched operations is behaviour, not time: each costs host time on a GPU. The kept keys
+    and values are one gather (and its views) per block; the plan about a dozen per level and call, shared by
+    the level's blocks (SD 1.5's top level has 5, SDXL's 10; this U-Net's 3, the hardest case)."""
     unet = tiny_unet("sd1")
     x = torch.randn(2, 64, 8)
     plan = loc.plan_local(x, 8, 8, 0.5, torch.int64)
     with DispatchCounter() as counter:
-        plan.unmerge(plan.merge(x))
-    assert counter.count == 8
+        plan.merge(x)
+    assert counter.count <= 3
     counts = {}
     for side in (16, 32, 48):
         x, t, c = inputs(batch=2, h=side, w=side)
@@ -251,7 +259,7 @@ def test_int32_path_obeys_mps_rules_and_equals_int64():
         narrow = unet(x, t, context=c)
     assert torch.equal(narrow, wide)
     names = {f.overloadpacket.__name__ for f, _, _ in rec.calls}
-    assert {"index_select", "argmax", "bmm", "lerp"} <= names, "the local plan did not run under the recorder"
+    assert {"index_select", "argmax", "bmm"} <= names, "the local plan did not run under the recorder"
     assert violations(rec.calls) == []
 
 
@@ -272,11 +280,36 @@ def test_an_attention_call_with_another_batch_or_token_count_runs_unmerged():
             exact = attn1(part)
             tome_core.apply_patch(unet, ratio=0.5, method="local")
             rec = tome_core.get_patch(unet).selected[0]
-            rec.grid = (8, 8)
+            rec.grid, rec.layout = (8, 8), (2, 64)
             rec.plan = tome_core.get_patch(unet).local_plan(rec, x)
             assert torch.equal(attn1(part), exact)
             merged = attn1(x)
             assert merged.shape == x.shape and not torch.equal(merged, attn1.forward(x))
+
+
+def test_queries_stay_whole_and_keys_and_values_come_from_the_kept_tokens():
+    """Self-attention by its equation: every token's own query, against the keys and values of the tokens
+    the plan keeps (found here by the plain reference); each token gets its own output."""
+    unet = tiny_unet()
+    tome_core.apply_patch(unet, ratio=0.5, method="local")
+    patch = tome_core.get_patch(unet)
+    rec = patch.selected[0]
+    attn1 = rec.module.attn1
+    x = torch.randn(2, 64, attn1.to_q.in_features, generator=torch.Generator().manual_seed(3))
+    rec.grid, rec.layout = (8, 8), (2, 64)
+    rec.plan = patch.local_plan(rec, x)
+    kept = loc.reference_keep(x, 8, 8, 0.5)
+    assert kept.shape[1] == 32
+    with torch.no_grad():
+        got = attn1(x)
+        heads = attn1.heads
+        q, k, v = attn1.to_q(x), attn1.to_k(kept), attn1.to_v(kept)
+        split = lambda t: t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)  # noqa: E731
+        q, k, v = split(q), split(k), split(v)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        want = attn1.to_out((weights @ v).transpose(1, 2).reshape(2, 64, -1))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert rec.used and torch.unique(got.reshape(-1, got.shape[-1]), dim=0).shape[0] == 2 * 64
 
 
 @pytest.mark.parametrize("kwargs,exc,name", [

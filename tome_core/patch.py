@@ -6,7 +6,8 @@ Per patched transformer block:
 - the block's pre-hook computes one merge plan from the block input (or nothing outside the step window,
   at ratio 0, or on a level that is not selected), and its post-hook drops it;
 - pre/post hooks on ``attn1`` / ``attn2`` / ``ff`` merge their input and unmerge their output (ToMe), or give
-  ``attn1`` a downsampled key/value source (ToDo).
+  ``attn1`` a reduced key/value source: a downsampled grid (ToDo) or the level's local plan's kept tokens
+  (Local).
 The U-Net's own pre-hook records the call's timestep for the random partition. A block with no plan runs
 exactly its original code.
 
@@ -29,7 +30,7 @@ from .partition import cell_choices, fixed_partition, host_key, partition, times
 
 PATCH_ATTR = "_tokenmerge_patch"
 DEFAULT_SEED = 0
-_TODO = object()  # plan marker: this block call downsamples keys/values
+_TODO = object()  # plan marker: this block call downsamples keys/values on the grid
 
 
 class _BlockRecord:
@@ -178,8 +179,8 @@ class TokenMergePatch:
             blk = rec.module
             hook(blk.register_forward_pre_hook(_plan_maker(self, rec), with_kwargs=True))
             hook(blk.register_forward_hook(_plan_dropper(self, rec)))
-            if o.method == "todo":
-                hook(blk.attn1.register_forward_pre_hook(_kv_downsampler(self, rec, o), with_kwargs=True))
+            if o.method in ("todo", "local"):
+                hook(blk.attn1.register_forward_pre_hook(_kv_reducer(self, rec, o), with_kwargs=True))
                 continue
             for wanted, sub, self_attention in ((o.merge_attn, blk.attn1, rec.self_attention),
                                                 (o.merge_crossattn, blk.attn2, False), (o.merge_mlp, blk.ff, False)):
@@ -289,7 +290,7 @@ class TokenMergePatch:
     def make_plan(self, rec: _BlockRecord, x: torch.Tensor):
         o = self.options
         if o.method == "local":
-            return self.local_plan(rec, x)
+            return self.local_plan(rec, x) if rec.self_attention else None
         if rec.grid is None or not o.in_window(self.progress) or x is None or x.dim() != 3:
             return None
         h, w = rec.grid
@@ -354,7 +355,8 @@ def _plan_dropper(patch: TokenMergePatch, rec: _BlockRecord):
 
 
 def _fits(rec: _BlockRecord, x) -> bool:
-    """``x`` is laid out as the block input ToDo's grid was recorded for: same batch rows, same tokens."""
+    """``x`` is laid out as the block input the block's plan (ToDo: its grid) was made for: same batch rows,
+    same tokens."""
     return isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[0], x.shape[1]) == rec.layout
 
 
@@ -433,19 +435,24 @@ def _unmerger(rec: _BlockRecord, merged_calls: list[bool]):
     return hook
 
 
-def _kv_downsampler(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions):
-    """Self-attention's keys and values from the downsampled token grid; queries stay whole."""
+def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions):
+    """Self-attention's keys and values from fewer tokens, queries whole: ToDo's downsampled grid, or the
+    tokens the local plan keeps."""
     def hook(module, args, kwargs):
-        if rec.plan is not _TODO or not rec.self_attention:
+        plan = rec.plan
+        if plan is None or not rec.self_attention:
             return None
         x = _first_arg(args, kwargs, "x")
-        if not _fits(rec, x):  # see _merger: exact attention on an input the block's grid does not describe
+        if not _fits(rec, x) or (plan is not _TODO and not plan.fits(x)):
+            # See _merger: exact attention on an input the block's plan does not describe.
             patch.unmerged_calls += 1
             return None
         rec.used = True
         h, w = rec.grid
 
         def downsample(t: torch.Tensor) -> torch.Tensor:
+            if plan is not _TODO:
+                return plan.merge(t)
             return downsample_tokens(t, h, w, options.todo_factor, options.todo_pool)
 
         args, kwargs = list(args), dict(kwargs)
@@ -477,8 +484,10 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             block; None means a fixed default.
         index_dtype: torch.int32 (MPS-safe) or torch.int64; None picks int32 on ``mps`` and int64 elsewhere.
         method: "tome" (merge tokens), "todo" (downsample self-attention's keys and values) or "local"
-            (merge inside 2×2 windows by one plan per level and U-Net call; see ``tome_core.local``; it
-            ignores ``sx``, ``sy``, ``use_rand`` and ``seed``: its plan is a function of the features).
+            (self-attention's keys and values from the tokens that stand for the groups merged inside 2×2
+            windows, by one plan per level and U-Net call; queries whole; see ``tome_core.local``; like
+            ToDo it ignores ``merge_crossattn`` and ``merge_mlp``, and it ignores ``sx``, ``sy``,
+            ``use_rand`` and ``seed``: its plan is a function of the features).
         todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
         step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
         score_chunk_elements: upper bound on similarity scores held at once while finding the merge

@@ -395,7 +395,7 @@ def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, 
         print("# tomesd draws its random partition from a generator forked off torch's global RNG at its first "
               f"call; the global RNG is seeded ({args.seed}) before each sampling run, so its pictures repeat")
     _cap_lines(args, cap)
-    sampled = racers - ("ideal" in names) * len(jobs.effective_ratios(args.ratios))
+    sampled = racers - jobs.ideals_per_ratio("ideal" in names) * len(jobs.effective_ratios(args.ratios))
     total = len(args.sizes) * ((args.repeats + 1) * racers + sampled * args.fidelity)
     setup = Setup(device, dtype, progress_bar(total, not args.quiet))
     cases, pictures = [], []

@@ -5,11 +5,14 @@
 - ``tomesd``: tomesd 0.1.3 with the same options (when installed).
 - ``ToDo``: ours with ``method="todo"``: self-attention's keys and values from a grid downsampled by a factor f
   per side (1/f² of them), queries whole.
-- ``Local``: ours with ``method="local"``: one merge plan per level and call from 2×2 windows.
+- ``Local``: ours with ``method="local"``: self-attention's keys and values from the tokens one plan per level
+  and call keeps in 2×2 windows; queries whole.
 - ``ideal``: the blocks ours patches run self-attention on the N − r tokens it would keep, but chosen for
   free: the first N − r, no similarity, no matching, no merge; the output goes back to N tokens by a repeat.
   No merging method can be faster, so (speed-up − 1) / (ideal − 1) is the share of what merging can give
-  that a method delivers; the rest is its overhead.
+  that a method delivers; the rest is its overhead. ToMe and tomesd are measured against it.
+- ``ideal KV``: the same blocks' self-attention with every query but only the first N − r tokens as keys and
+  values: what a method that keeps queries whole (Local) can gain at that ratio; Local is measured against it.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ class IdealPatch:
     destination per whole cell). Grids smaller than one cell are left alone, as ours leaves them.
     """
 
-    def __init__(self, ratio: float, max_downsample: int | None, sx: int = 2, sy: int = 2) -> None:
+    def __init__(self, ratio: float, max_downsample: int | None, sx: int = 2, sy: int = 2,
+                 keys_only: bool = False) -> None:
         self.ratio, self.max_downsample, self.sx, self.sy = ratio, max_downsample, sx, sy
+        self.keys_only = keys_only  # every query, keys and values from the first N − r tokens
         self._handles: list = []
 
     def apply(self, model: nn.Module) -> None:
@@ -83,7 +88,8 @@ class IdealPatch:
                 kept: dict[str, int] = {}
                 self._handles.append(blk.attn1.register_forward_pre_hook(self._shrinker(grid, kept),
                                                                          with_kwargs=True))
-                self._handles.append(blk.attn1.register_forward_hook(_repeater(kept)))
+                if not self.keys_only:
+                    self._handles.append(blk.attn1.register_forward_hook(_repeater(kept)))
 
     def remove(self, model: nn.Module | None = None) -> None:
         for handle in self._handles:
@@ -91,10 +97,13 @@ class IdealPatch:
         self._handles.clear()
 
     def kept_tokens(self, h: int, w: int) -> int:
-        """N − r for an h×w grid (N when nothing would merge)."""
+        """N − r for an h×w grid (N when nothing would merge): r as ours removes it (ToMe, or Local for the
+        keys-and-values ideal)."""
         n = h * w
         cells = (h // self.sy) * (w // self.sx)
-        r = min(int(n * self.ratio), n - cells)
+        # Local counts its merges on whole cells only (odd grids' edge tokens never merge), ToMe on all tokens.
+        r = min(int(n * self.ratio), n - cells) if not self.keys_only else min(
+            int(self.sx * self.sy * cells * self.ratio), (self.sx * self.sy - 1) * cells)
         return n if cells == 0 or r <= 0 else n - r
 
     def _shrinker(self, grid: dict, kept: dict):
@@ -109,6 +118,10 @@ class IdealPatch:
             m = self.kept_tokens(h, w)
             if n != h * w or m == n:
                 return None
+            if self.keys_only:  # context None here: by position when the caller passed it so, else by keyword
+                if len(args) > 1:
+                    return (args[0], x[:, :m]) + tuple(args[2:]), kwargs
+                return args, dict(kwargs, context=x[:, :m])
             kept["n"] = n
             x = x[:, :m]
             return ((x,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, x=x))
@@ -143,7 +156,7 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
            with_local: bool = True) -> list[Contender]:
     """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; Local at
     each ratio; tomesd at each ratio (when installed and wanted, with the same options); the ideal at each
-    ratio.
+    ratio, and (with Local) the keys-and-values ideal at each ratio.
 
     ToMe's and ToDo's random partition is keyed on ``seed``. tomesd draws its partition from a generator it
     forks off torch's global RNG at its first call: seed the global RNG before a run to make it repeatable.
@@ -154,6 +167,7 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
 
     out = [labelled("none", "–", lambda m: None, lambda m: None)]
     ideal_of = (lambda r: setting_name("ideal", f"{r:.2f}")) if with_ideal else (lambda r: None)
+    kv_ideal_of = (lambda r: setting_name("ideal", f"KV {r:.2f}")) if with_ideal else (lambda r: None)
     for ratio in ratios:
         out.append(labelled("ToMe", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
             m, ratio=r, max_downsample=max_downsample, use_rand=use_rand, seed=seed), tome_core.remove_patch,
@@ -165,7 +179,7 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
         for ratio in ratios:
             out.append(labelled("Local", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
                 m, method="local", ratio=r, max_downsample=max_downsample), tome_core.remove_patch,
-                ideal_of(ratio)))
+                kv_ideal_of(ratio)))
     if with_tomesd and tomesd_available():
         import tomesd
 
@@ -180,4 +194,7 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
         for ratio in ratios:
             patch = IdealPatch(ratio, max_downsample)
             out.append(labelled("ideal", f"{ratio:.2f}", patch.apply, patch.remove))
+        for ratio in ratios if with_local else ():
+            patch = IdealPatch(ratio, max_downsample, keys_only=True)
+            out.append(labelled("ideal", f"KV {ratio:.2f}", patch.apply, patch.remove))
     return out

@@ -64,7 +64,13 @@ def contender_names(with_tomesd: bool = True, with_ideal: bool = True) -> list[s
 def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True) -> int:
     """How many contenders a roster of ``ratios`` ratios and ``todo_factors`` factors holds."""
     names = contender_names(with_tomesd, with_ideal)
-    return 1 + ratios * (2 + ("tomesd" in names) + ("ideal" in names)) + todo_factors  # ToMe and Local per ratio
+    # Per ratio: ToMe and Local, tomesd, the ideal and the keys-and-values ideal.
+    return 1 + ratios * (2 + ("tomesd" in names) + 2 * ("ideal" in names)) + todo_factors
+
+
+def ideals_per_ratio(with_ideal: bool) -> int:
+    """The ideal contenders of one ratio: the ideal merge and the keys-and-values ideal (never sampled)."""
+    return 2 if with_ideal else 0
 
 
 def inputs(batch: int, channels: int, side: int, ctx_dim: int, depth: int, device: torch.device,
