@@ -137,7 +137,7 @@ PARAMS: tuple[Param, ...] = (
           1, MAX_LOCAL_REPLAN_UI, 1),
 )
 METHOD_KEYS: dict[str, tuple[str, ...]] = {
-    "tome": ("sx", "sy", "use_rand"),
+    "tome": ("sx", "sy", "use_rand", "merge_crossattn", "merge_mlp"),  # ToDo and Local reduce self-attention only
     "todo": ("todo_factor", "todo_pool"),
     "local": ("local_replan",),
 }
