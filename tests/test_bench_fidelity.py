@@ -154,11 +154,11 @@ def test_the_default_run_reports_every_method_with_speed_and_fidelity(monkeypatc
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith(f"| stand-in proxy | {SIZE} |")]
     methods = [(line.split("|")[3].strip(), line.split("|")[4].strip()) for line in lines]
-    assert methods == [("none", "–"), ("ToMe", "0.30"), ("ToMe", "0.50"), ("ToMe", "0.70"), ("ToDo", "f=2"),
-                       ("ToDo", "f=3"), ("ToDo", "f=4"), ("Local", "0.30"), ("Local", "0.50"), ("Local", "0.70"),
-                       ("tomesd", "0.30"), ("tomesd", "0.50"),
-                       ("tomesd", "0.70"), ("ideal", "0.30"), ("ideal", "0.50"), ("ideal", "0.70"),
-                       ("ideal", "KV 0.30"), ("ideal", "KV 0.50"), ("ideal", "KV 0.70")]
+    assert methods == [("none", "–"), ("ToMe", "0.25"), ("ToMe", "0.50"), ("ToMe", "0.75"), ("ToDo", "f=2"),
+                       ("ToDo", "f=3"), ("ToDo", "f=4"), ("Local", "0.25"), ("Local", "0.50"), ("Local", "0.75"),
+                       ("tomesd", "0.25"), ("tomesd", "0.50"),
+                       ("tomesd", "0.75"), ("ideal", "0.25"), ("ideal", "0.50"), ("ideal", "0.75"),
+                       ("ideal", "KV 0.25"), ("ideal", "KV 0.50"), ("ideal", "KV 0.75")]
     cells = {m: line.strip("|").split("|") for m, line in zip(methods, lines)}
     assert [c.strip() for c in cells[("none", "–")][4:]] == ["10.0 (0%)", "1.00x", "–", "∞", "1.000", "0"]
     for key in [m for m in methods if m[0] in ("ToMe", "ToDo", "Local", "tomesd")]:
@@ -237,7 +237,8 @@ def test_the_gpu_check_measures_fidelity_on_the_proxy(monkeypatch, capsys, stead
     gpucheck.proxy_fidelity(args, torch.device("cpu"), torch.float32)
     out = capsys.readouterr().out
     assert "## stand-in proxy: speed and fidelity at 16 px" in out
-    for method in ("none | –", "ToMe | 0.50", "ToDo | f=2", "ToDo | f=4", "tomesd | 0.70", "ideal | 0.30"):
+    for method in ("none | –", "ToMe | 0.50", "ToDo | f=2", "ToDo | f=4", "Local | 0.75", "tomesd | 0.75",
+                   "ideal | 0.25", "ideal | KV 0.25"):
         assert f"| stand-in proxy | 16 | {method} |" in out, method
     assert "the decoded images after 2 Euler steps" in out
 

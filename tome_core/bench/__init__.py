@@ -13,8 +13,8 @@ Modules, by concern (each imports only those listed before it):
     textenc     a checkpoint's text encoders (CLIP ViT-L, OpenCLIP ViT-H/bigG) for the empty prompt
     vae         a checkpoint's VAE decoder
     checkpoint  a real checkpoint read off its tensors: its U-Net, or the whole model as a pipeline
-    contenders  what is raced: none, ToMe, ToDo, Local, tomesd at each setting, and the ideal (attention on fewer
-                tokens, chosen free)
+    contenders  what is raced: none, ToMe, ToDo, Local, tomesd at each setting, and the ideals (attention on fewer
+                tokens, chosen free; or every query on fewer keys and values)
     timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
     metrics     PSNR and SSIM of pictures in [0, 1]
     opcount     operations a patched transformer block dispatches

@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="image sizes in px (default: the proxy's evaluation size; 512 for SD 1.x/2.x and 1024 "
                          "for SDXL checkpoints; 512 768 1024 on a GPU and 512 768 on the CPU for --models)")
     ap.add_argument("--ratios", nargs="+", type=float, default=None,
-                    help="ToMe (and tomesd) merge ratios in [0, 1) (default: 0.3 0.5 0.7 on a trained model, "
+                    help="ToMe, Local (and tomesd) ratios in [0, 1) (default: 0.25 0.5 0.75 on a trained model, "
                          "0.5 with --models)")
     ap.add_argument("--todo-factors", nargs="+", type=int, default=None,
                     help="ToDo downsampling factors per side, 2 to 8; f keeps 1/f² of the keys and values "
@@ -149,7 +149,7 @@ def check_args(args: argparse.Namespace) -> None:
                          "--checkpoint a trained model)")
     args.defaulted = {name for name in ("ratios", "todo_factors") if getattr(args, name) is None}
     if args.ratios is None:
-        args.ratios = [0.3, 0.5, 0.7] if trained else [0.5]
+        args.ratios = [0.25, 0.5, 0.75] if trained else [0.5]
     if args.todo_factors is None:
         args.todo_factors = [2, 3, 4] if trained else [2]
     for ratio in args.ratios:

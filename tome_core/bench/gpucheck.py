@@ -38,7 +38,7 @@ CASES = (("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024))
 RATIO = 0.5
 TODO_FACTOR = 2
 # The fidelity section on the shipped proxy: ToMe and tomesd at these ratios, ToDo at these factors.
-PROXY_RATIOS = (0.3, 0.5, 0.7)
+PROXY_RATIOS = (0.25, 0.5, 0.75)
 PROXY_TODO_FACTORS = (2, 3, 4)
 
 

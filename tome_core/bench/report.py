@@ -111,7 +111,8 @@ def table_head(title: str, rounds: str, fidelity_note: str) -> str:
     return "\n".join([
         f"## {title}", "",
         f"Median ms per call over {rounds} interleaved rounds, (spread) = interquartile range / median; "
-        f"speed-up = none / method; share = (speed-up − 1) / (ideal − 1) against the ideal at the same ratio, "
+        f"speed-up = none / method; share = (speed-up − 1) / (ideal − 1) against the ideal at the same ratio "
+        f"(Local: the keys-and-values ideal, ideal KV), "
         f"– where the ideal gains under {MIN_IDEAL_GAIN:.0%} or nothing beyond its spread; ops/block = "
         f"dispatched operations a patched transformer block adds. {fidelity_note}", "",
         "| model | px | method | setting | ms | speed-up | share | PSNR dB | SSIM | ops/block |",
