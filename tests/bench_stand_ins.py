@@ -33,8 +33,8 @@ def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline) -> list:
     calls = []
     module = types.ModuleType("tome_core.bench.proxy")
 
-    def load_proxy(device="cpu", dtype=torch.float32):
-        calls.append((device, dtype))
+    def load_proxy(device="cpu", dtype=torch.float32, path=None):
+        calls.append((device, dtype) if path is None else (device, dtype, path))
         return pipe_factory()
 
     module.load_proxy = load_proxy

@@ -168,6 +168,22 @@ def test_the_default_run_reports_every_method_with_speed_and_fidelity(monkeypatc
     assert sheet.read_bytes()[:4] == b"\x89PNG" and plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_another_proxy_is_measured_from_its_weights_file(monkeypatch, capsys, tmp_path, steady_timer):
+    calls = install_proxy(monkeypatch)
+    weights = tmp_path / "proxy-seed1.safetensors"
+    weights.write_bytes(b"weights")
+    assert cli.main(["--proxy", str(weights), "--sizes", str(SIZE), "--steps", "1", "--repeats", "1", "--quiet",
+                     "--sheet", "", "--device", "cpu", "--ratios", "0.5", "--todo-factors", "2"]) == 0
+    assert calls == [(torch.device("cpu"), torch.float32, str(weights))]
+    out = capsys.readouterr().out
+    assert f"# note: proxy weights: {weights}" in out and f"| stand-in proxy | {SIZE} | Local | 0.50 |" in out
+    for argv in (["--proxy", str(tmp_path / "missing.safetensors")],
+                 ["--proxy", str(weights), "--models", "sd15"], ["--proxy", str(weights), "--checkpoint", str(weights)]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--proxy" in err[0], err
+
+
 def test_random_weights_say_they_give_no_fidelity(capsys, steady_timer, tmp_path):
     plot = tmp_path / "speed.png"
     assert cli.main(["--models", "sd15", "--sizes", "64", "--width", "0.1", "--repeats", "1", "--quiet", "--skip",

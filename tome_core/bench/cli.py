@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", default=None,
                     help="a .safetensors/.ckpt SD 1.x/2.x/SDXL checkpoint with its VAE and text encoder: speed "
                          "and fidelity on it (default: the shipped proxy model)")
+    ap.add_argument("--proxy", default=None, metavar="WEIGHTS",
+                    help="a proxy model's weights made by `python -m tome_core.bench.proxy train` (another seed "
+                         "or stages) instead of the shipped ones")
     ap.add_argument("--prediction", default="auto", choices=["auto", "eps", "v"],
                     help="what the checkpoint's U-Net predicts (default: read off the file)")
     ap.add_argument("--sizes", nargs="+", type=int, default=None,
@@ -147,6 +150,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.models is not None and args.checkpoint is not None:
         raise UsageError("--models and --checkpoint: give one (--models times random-weight architectures, "
                          "--checkpoint a trained model)")
+    if args.proxy is not None and (args.models is not None or args.checkpoint is not None):
+        raise UsageError("--proxy with --models or --checkpoint: give one model to measure")
+    if args.proxy is not None and not os.path.isfile(args.proxy):
+        raise UsageError(f"--proxy {args.proxy}: no such file")
     args.defaulted = {name for name in ("ratios", "todo_factors") if getattr(args, name) is None}
     if args.ratios is None:
         args.ratios = [0.25, 0.5, 0.75] if trained else [0.5]
@@ -288,22 +295,24 @@ def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         if loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
             return _unet_only_pipeline(args.checkpoint, device, dtype)
         return loader(args.checkpoint, device, dtype, prediction=args.prediction)
-    return load_proxy_pipeline(device, dtype)
+    return load_proxy_pipeline(device, dtype, args.proxy)
 
 
-def load_proxy_pipeline(device: torch.device, dtype: torch.dtype) -> Pipeline | None:
-    """The shipped proxy at its evaluation size; None when this build has none; ``UsageError`` (one line) when
-    its weights are missing or do not fit."""
+def load_proxy_pipeline(device: torch.device, dtype: torch.dtype, path: str | None = None) -> Pipeline | None:
+    """The shipped proxy (or the proxy weights at ``path``) at its evaluation size; None when this build has
+    none; ``UsageError`` (one line) when its weights are missing or do not fit."""
     try:
         from . import proxy
     except ImportError:
         return None
     try:
-        pipe = proxy.load_proxy(device=device, dtype=dtype)
+        pipe = proxy.load_proxy(device=device, dtype=dtype, path=path)
     except (OSError, ValueError) as error:  # weights missing, unreadable or of another architecture
         raise UsageError(_first_line(error)) from None
     if getattr(pipe, "size", None) is None:
         pipe.size = getattr(proxy, "EVAL_SIZE", 64)
+    if path is not None:
+        pipe.notes = list(pipe.notes) + [f"proxy weights: {path}"]
     return pipe
 
 
