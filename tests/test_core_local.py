@@ -50,6 +50,14 @@ def test_the_most_similar_pairs_merge():
     assert plan.keep_index.tolist() == [0, 1, 2, 6]  # (0,3)|(1,2) keeps locals 0, 1; (0,1)|(2,3) keeps 0, 2
 
 
+def test_one_merge_per_window_leaves_out_the_bottom_right_token_whatever_the_features():
+    x = torch.randn(2, 6 * 8, 5)
+    plan = loc.plan_local(x, 6, 8, 0.25, torch.int64)
+    grid = x.view(2, 3, 2, 4, 2, 5)  # (B, window row, dy, window col, dx, C)
+    want = torch.stack([grid[:, :, 0, :, 0], grid[:, :, 0, :, 1], grid[:, :, 1, :, 0]], dim=3)  # locals 0, 1, 2
+    assert torch.equal(plan.merge(x), want.reshape(2, 3 * 4 * 3, 5))
+
+
 def test_three_merges_per_window_are_todos_nearest_downsampling():
     """At the window's cap every group is the whole window and stands for it by its top-left token: the
     plan gives the key/value source of ToDo with factor 2 and nearest pooling, whatever the features."""
