@@ -101,9 +101,11 @@ class IdealPatch:
         keys-and-values ideal)."""
         n = h * w
         cells = (h // self.sy) * (w // self.sx)
-        # Local counts its merges on whole cells only (odd grids' edge tokens never merge), ToMe on all tokens.
-        r = min(int(n * self.ratio), n - cells) if not self.keys_only else min(
-            int(self.sx * self.sy * cells * self.ratio), (self.sx * self.sy - 1) * cells)
+        cell = self.sx * self.sy
+        if self.keys_only:  # Local's count: merges in whole cells only (odd grids' edge tokens never merge)
+            r = min(int(cell * cells * self.ratio), (cell - 1) * cells)
+        else:  # ToMe's: int(N·ratio), capped at one destination per whole cell
+            r = min(int(n * self.ratio), n - cells)
         return n if cells == 0 or r <= 0 else n - r
 
     def _shrinker(self, grid: dict, kept: dict):
