@@ -177,11 +177,9 @@ def test_another_proxy_is_measured_from_its_weights_file(monkeypatch, capsys, tm
     assert calls == [(torch.device("cpu"), torch.float32, str(weights))]
     out = capsys.readouterr().out
     assert f"# note: proxy weights: {weights}" in out and f"| stand-in proxy | {SIZE} | Local | 0.50 |" in out
-    for argv in (["--proxy", str(tmp_path / "missing.safetensors")],
-                 ["--proxy", str(weights), "--models", "sd15"], ["--proxy", str(weights), "--checkpoint", str(weights)]):
-        assert cli.main(argv) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "--proxy" in err[0], err
+    _refused(capsys, ["--proxy", str(tmp_path / "missing.safetensors")], "missing.safetensors: no such file")
+    for other in (["--models", "sd15"], ["--checkpoint", str(weights)]):
+        _refused(capsys, ["--proxy", str(weights)] + other, "--proxy with --models or --checkpoint: give one model")
 
 
 def test_random_weights_say_they_give_no_fidelity(capsys, steady_timer, tmp_path):
