@@ -58,6 +58,20 @@ def test_one_merge_per_window_leaves_out_the_bottom_right_token_whatever_the_fea
     assert torch.equal(plan.merge(x), want.reshape(2, 3 * 4 * 3, 5))
 
 
+@pytest.mark.parametrize("ratio", [0.1, 0.25, 0.75, 0.9])
+def test_a_plan_without_choices_costs_a_call_nothing(ratio):
+    """With one or three merges in every window the kept tokens do not depend on the features: once the
+    grid's tables exist, making the plan dispatches no operation at all."""
+    x, other = torch.randn(2, 8 * 8, 5), torch.randn(2, 8 * 8, 5)
+    loc.plan_local(x, 8, 8, ratio, torch.int64)
+    with DispatchCounter() as counter:
+        plan = loc.plan_local(other, 8, 8, ratio, torch.int64)
+    assert counter.count == 0 and plan.merged_tokens < 64
+    with DispatchCounter() as counter:
+        loc.plan_local(x, 8, 8, 0.5, torch.int64)  # two merges per window: the features choose
+    assert counter.count > 0
+
+
 def test_three_merges_per_window_are_todos_nearest_downsampling():
     """At the window's cap every group is the whole window and stands for it by its top-left token: the
     plan gives the key/value source of ToDo with factor 2 and nearest pooling, whatever the features."""

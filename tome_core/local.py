@@ -133,7 +133,8 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
         edge_rows: (B·E,) the flat input rows of the never-merged edge tokens (None when the windows cover
             the grid);
         keep_pick: (B·M,) picks, for batch row b: its windows' real slots, then its edges, out of
-            [first rows of the chosen candidates (B·W·4), edge_rows].
+            [first rows of the chosen candidates (B·W·4), edge_rows];
+        fixed_keep: (B·M,) the plan's ``keep_index`` when no window has a choice, else None.
     """
     hw, ww = h // WINDOW, w // WINDOW
     windows = hw * ww
@@ -177,7 +178,15 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
     def put(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=idt)
 
-    return dict(merged=merged, window_rows=put(window_rows.reshape(-1)),
+    # When no window has a choice (only one and three merges: ratios up to 0.25, and 0.75), the plan does not
+    # depend on the features: it is made here once, and a U-Net call spends no operation on it.
+    fixed_keep = None
+    if bool(((penalty == 0).sum(-1) == 1).all()):
+        key = penalty.argmax(-1) + bj * NUM_CANDIDATES
+        picked = torch.cat([first_rows.reshape(-1, 4)[key].reshape(-1), edge_rows])
+        fixed_keep = put(picked[keep_pick])
+
+    return dict(merged=merged, fixed_keep=fixed_keep, window_rows=put(window_rows.reshape(-1)),
                 incidence=incidence.to(device), penalty=penalty.to(device),
                 candidate_offset=put(bj * NUM_CANDIDATES),
                 first_rows=put(first_rows.reshape(batch * windows * NUM_CANDIDATES, 4)),
@@ -198,6 +207,8 @@ def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
     layout = _layout(batch, h, w, float(ratio), metric.device, idt)
     if layout is None:
         return None
+    if layout["fixed_keep"] is not None:
+        return LocalPlan(layout["fixed_keep"], batch, tokens, layout["merged"])
     # About a dozen dispatched operations whatever the size, once per level and call: on a GPU each costs
     # host time the step may wait on, so everything that does not depend on the features is a table made
     # beforehand, and the chosen candidate indexes those tables directly.

@@ -65,7 +65,7 @@ def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_i
     """How many contenders a roster of ``ratios`` ratios and ``todo_factors`` factors holds."""
     names = contender_names(with_tomesd, with_ideal)
     # Per ratio: ToMe and Local, tomesd, the ideal and the keys-and-values ideal.
-    return 1 + ratios * (2 + ("tomesd" in names) + 2 * ("ideal" in names)) + todo_factors
+    return 1 + ratios * (2 + ("tomesd" in names) + ideals_per_ratio("ideal" in names)) + todo_factors
 
 
 def ideals_per_ratio(with_ideal: bool) -> int:
