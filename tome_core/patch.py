@@ -58,7 +58,9 @@ def _is_block(module: nn.Module) -> bool:
 
 def transformer_levels(root: nn.Module) -> list[tuple[str, nn.Module, int]]:
     """Every transformer (ldm ``SpatialTransformer``, diffusers ``Transformer2DModel``) under ``root`` with its
-    downsampling level (0 = latent resolution), in call order; see ``Family.transformer_levels``."""
+    downsampling level (0 = latent resolution), in call order; see ``Family.transformer_levels``. A wrapper
+    (``model.model.diffusion_model``, ``model.diffusion_model``) stands for what it wraps (``resolve_unet``)."""
+    root = resolve_unet(root)
     family = family_of(root)
     return family.transformer_levels(root) if family is not None else []
 
