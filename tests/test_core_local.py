@@ -110,9 +110,9 @@ def _count_plans(monkeypatch):
     made = []
     real = loc.plan_local
 
-    def counting(metric, h, w, ratio, idt):
+    def counting(metric, h, w, ratio, idt, with_sizes=False):
         made.append((tuple(metric.shape), h, w))
-        return real(metric, h, w, ratio, idt)
+        return real(metric, h, w, ratio, idt, with_sizes)
 
     monkeypatch.setattr("tome_core.patch.plan_local", counting)
     return made
