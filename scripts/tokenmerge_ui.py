@@ -14,6 +14,8 @@ defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
 
 from __future__ import annotations
 
+import json
+import re
 import weakref
 from functools import partial
 from typing import Any
@@ -461,6 +463,7 @@ def _register_callbacks() -> None:
     _callbacks_registered = True
     script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
     script_callbacks.on_script_unloaded(end_job)
+    script_callbacks.on_infotext_pasted(_on_infotext_pasted)
     # SD.Next: runs after every job, also one whose sampling failed (its postprocess hooks are skipped then).
     on_after_process = getattr(script_callbacks, "on_after_process", None)
     if on_after_process is not None:
@@ -469,6 +472,25 @@ def _register_callbacks() -> None:
 
 def _after_process(p: Any) -> None:
     end_job()
+
+
+def _on_infotext_pasted(infotext: str, params: dict) -> None:
+    """Add our entries the webui's parser missed: SD.Next's reads only keys of letters, digits, "_" and
+    spaces, so "ToMe merge cross-attention" and "ToMe re-plan every" never reach the paste fields there."""
+    if not isinstance(infotext, str) or not isinstance(params, dict) or tm.RATIO_INFOTEXT not in params:
+        return
+    for key in tm.INFOTEXT_KEYS:
+        if key in params:
+            continue
+        found = re.search(rf'(?:^|[,\n])\s*{re.escape(key)}:\s*("(?:\\.|[^"\\])*"|[^,\n]*)', infotext)
+        if found:
+            value = found.group(1).strip()
+            if value.startswith('"'):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    continue
+            params[key] = value
 
 
 _register_callbacks()

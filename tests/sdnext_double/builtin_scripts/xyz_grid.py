@@ -3,7 +3,8 @@ list from ``xyz_grid_classes`` (plain ``AxisOption``s; ``AxisOptionTxt2Img`` is 
 the UI copies it when built. Running: each axis's type (index or label), its CSV values (or dropdown values
 for axes with ``choices``) converted with the axis type, ``confirm(p, values)`` before any image; each cell
 is ``process_images`` of a ``copy(p)`` with ``xyz`` True and ``override_settings_restore_afterwards`` False,
-after the x, y and z ``apply(pc, value, values)``; the built-in ratios (tome_ratio, todo_ratio) are restored
+after the x, y and z ``apply(pc, value, values)``; axes with ``choices`` take the dropdown's values
+unless csv mode is on; the built-in ratios (tome_ratio, todo_ratio) are restored
 after the grid (``SharedSettingsStackHelper``)."""
 
 from __future__ import annotations
@@ -76,12 +77,19 @@ class Script(scripts_manager.Script):
                 return next(o for o in options if o.label == kind)
             return options[kind]
 
+        csv_mode = bool(flags[0]) if flags else False
+
         def values(opt, text, dropdown):
-            raw = list(dropdown or []) if opt.choices else [v.strip() for v in next(csv.reader(StringIO(text or "")), [])]
-            vals = [opt.type(v) for v in raw if v != ""] if opt.label != "Nothing" else [None]
+            if opt.label == "Nothing":
+                return [0]
+            if opt.choices is not None and not csv_mode:
+                raw = list(dropdown or [])
+            else:
+                raw = [v.strip() for v in next(csv.reader(StringIO(text or "")), []) if v.strip()]
+            vals = [opt.type(v) for v in raw]
             if opt.confirm:
                 opt.confirm(p, vals)
-            return vals or [None]
+            return vals
 
         axes = [(option(t), values(option(t), v, d)) for t, v, d in
                 ((x_type, x_values, x_values_dropdown), (y_type, y_values, y_values_dropdown),
