@@ -33,6 +33,7 @@ plot, the API) is the same in those. This file holds no state: the webui also lo
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -179,6 +180,14 @@ class SDNext(Host):
 
 
 A1111_HOST, FORGE_HOST, FORGE_CLASSIC_HOST, SDNEXT_HOST = A1111(), Forge(), ForgeClassicFamily(), SDNext()
+
+
+def page_links_input_accordion() -> bool:
+    """Whether the webui's page script turns an ``InputAccordion``'s value on and off with the accordion
+    (A1111 and the Forge family). SD.Next has the class (``modules.ui_components``, marked unused) but not the
+    page script, so there its value would never change; SD.Next is the webui whose ``modules.scripts``
+    re-exports ``modules.scripts_manager``."""
+    return "modules.scripts_manager" not in sys.modules
 
 
 def is_diffusers_pipeline(model: Any) -> bool:

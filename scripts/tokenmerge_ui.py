@@ -27,7 +27,8 @@ from modules import script_callbacks, scripts, shared
 from modules.ui_components import InputAccordion
 
 import tome_core
-from scripts.tokenmerge_hosts import SDNEXT_HOST, host_of, restore_hypertile, set_aside_hypertile
+from scripts.tokenmerge_hosts import (SDNEXT_HOST, host_of, page_links_input_accordion, restore_hypertile,
+                                      set_aside_hypertile)
 from tome_core import settings as tm
 
 LOG_PREFIX = "[ToMe]"
@@ -247,8 +248,15 @@ class TokenMergeScript(scripts.Script):
     def ui(self, is_img2img: bool) -> list[gr.components.Component]:
         defaults = tm.DISABLED
         c: dict[str, gr.components.Component] = {}
-        with InputAccordion(defaults.enabled, label=tm.PARAM["enabled"].label,
-                            elem_id=self.elem_id("enabled")) as c["enabled"]:
+        if page_links_input_accordion():
+            accordion = InputAccordion(defaults.enabled, label=tm.PARAM["enabled"].label,
+                                       elem_id=self.elem_id("enabled"))
+        else:
+            # The page would leave an InputAccordion's value as it is whatever the user does: an accordion
+            # with the switch as its first control instead.
+            accordion = gr.Accordion(tm.PARAM["enabled"].label, open=False, elem_id=self.elem_id("accordion"))
+        with accordion:
+            c["enabled"] = accordion if isinstance(accordion, InputAccordion) else self._control("enabled")
             c["ratio"] = self._control("ratio")
             note_text = tm.ratio_note(defaults.ratio, defaults.hr_ratio, defaults.sx, defaults.sy)
             note = gr.Markdown(note_text, visible=bool(note_text), elem_id=self.elem_id("ratio_note"))

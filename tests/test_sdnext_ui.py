@@ -11,12 +11,23 @@ from tome_core import settings as tm
 
 @pytest.mark.parametrize("tab", ["txt2img", "img2img"])
 def test_the_accordion_is_in_both_tabs_with_every_control(sdnext, tab):
+    import gradio as gr
     from modules.ui_components import InputAccordion
 
     script = sdnext.sdnext.script(tab, "ToMe")
     controls = sdnext.sdnext.runners[tab].inputs[script.args_from:script.args_to]
     assert len(controls) == len(tm.KEYS)
-    assert isinstance(controls[0], InputAccordion) and controls[0].accordion.label == "Token merging (ToMe)"
+    # SD.Next's page has no script that ties an InputAccordion's value to the accordion: the switch is a
+    # visible checkbox, the first control of a plain accordion.
+    assert type(controls[0]) is gr.Checkbox and not isinstance(controls[0], InputAccordion)
+    assert controls[0].visible is not False and controls[0].label == "Token merging (ToMe)"
+    accordion = next(block for block in sdnext.sdnext.blocks.blocks.values()
+                     if isinstance(block, gr.Accordion) and block.elem_id == f"script_{tab}_tome_accordion")
+    assert accordion.label == "Token merging (ToMe)" and accordion.open is False
+    def inside(block):
+        return [block] + [d for child in getattr(block, "children", []) for d in inside(child)]
+
+    assert controls[0] in inside(accordion) and all(c in inside(accordion) for c in controls)
     assert [c.label for c in controls[1:]] == [tm.PARAM[k].label for k in tm.KEYS[1:]]
     # The API's defaults are the controls' values: the accordion off.
     assert sdnext.sdnext.default_args[tab][script.args_from:script.args_to] == [c.value for c in controls]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from typing import Any, NamedTuple
 
@@ -105,9 +106,8 @@ class Script:
         pass
 
     def elem_id(self, item_id):
-        title = self.title().lower().replace(" ", "_")
-        tab = "img2img" if self.is_img2img else "txt2img"
-        return f"script_{tab}_{title}_{item_id}"
+        title = re.sub(r"[^a-z_0-9]", "", re.sub(r"\s", "_", self.title().lower()))
+        return f"script_{self.parent}_{title}_{item_id}"
 
 
 def load_scripts(builtin_dir: str, extension_dirs: list[str]) -> None:
