@@ -190,6 +190,13 @@ def page_links_input_accordion() -> bool:
     return "modules.scripts_manager" not in sys.modules
 
 
+def paste_needs_updates() -> bool:
+    """Whether a paste field's function must return a gradio update rather than a plain value: SD.Next's
+    paste (``generation_parameters_copypaste.paste_func``) takes a plain value for a field name and calls
+    ``.lower()`` on the function, which fails the whole paste."""
+    return not page_links_input_accordion()
+
+
 def is_diffusers_pipeline(model: Any) -> bool:
     """A diffusers pipeline (SD.Next's ``shared.sd_model``): a ``DiffusionPipeline`` subclass, or an object
     with a ``.unet`` or ``.transformer`` module and no ldm ``.model``."""

@@ -27,8 +27,8 @@ from modules import script_callbacks, scripts, shared
 from modules.ui_components import InputAccordion
 
 import tome_core
-from scripts.tokenmerge_hosts import (SDNEXT_HOST, host_of, page_links_input_accordion, restore_hypertile,
-                                      set_aside_hypertile)
+from scripts.tokenmerge_hosts import (SDNEXT_HOST, host_of, page_links_input_accordion, paste_needs_updates,
+                                      restore_hypertile, set_aside_hypertile)
 from tome_core import settings as tm
 
 LOG_PREFIX = "[ToMe]"
@@ -282,7 +282,8 @@ class TokenMergeScript(scripts.Script):
                              queue=False)
 
         shown = [key for key in tm.KEYS if not (is_img2img and tm.PARAM[key].txt2img_only)]
-        self.infotext_fields = [(c[key], partial(tm.pasted_value, key)) for key in shown]
+        pasted = _pasted_update if paste_needs_updates() else tm.pasted_value
+        self.infotext_fields = [(c[key], partial(pasted, key)) for key in shown]
         self.paste_field_names = [tm.PARAM[key].infotext for key in shown if tm.PARAM[key].infotext]
         return [c[key] for key in tm.KEYS]
 
@@ -427,6 +428,12 @@ def take_over_sdnext_token_merging(p: Any) -> None:
                      f"after it")
     # A new dict: X/Y/Z grid cells may share the old one.
     p.override_settings = {**(getattr(p, "override_settings", None) or {}), ratio_key: 0.0}
+
+
+def _pasted_update(key: str, params: dict) -> Any:
+    """``tm.pasted_value`` as a gradio update (None: leave the control as it is)."""
+    value = tm.pasted_value(key, params)
+    return None if value is None else gr.update(value=value)
 
 
 def _ratio_note_update(ratio: Any, hr_ratio: Any, sx: Any, sy: Any, method: Any = "ToMe") -> dict:

@@ -91,7 +91,10 @@ class SDNext:
         return processing.process_images(p)
 
     def paste(self, tab: str, text: str) -> dict[Any, Any]:
-        """``generation_parameters_copypaste.connect_paste``: ``{component: value}`` for the fields it sets."""
+        """``generation_parameters_copypaste.connect_paste``: ``{component: value}`` for the fields it sets. As
+        there, a field given by a function must return None or a gradio update: for a plain value SD.Next checks
+        whether the field's *name* is in its skip list (``should_skip(key)`` calls ``key.lower()``), and the
+        AttributeError fails the whole paste."""
         params = infotext.parse(text)
         script_callbacks.infotext_pasted_callback(text, params)
         out = {}
@@ -99,10 +102,11 @@ class SDNext:
             value = key(params) if callable(key) else params.get(key)
             if value is None:
                 continue
-            if isinstance(value, dict) and value.get("__type__") == "update":
+            if isinstance(value, type(gr.update())):  # SD.Next's type_of_gr_update
                 if "value" in value:
                     out[component] = value["value"]
                 continue
+            key.lower()  # should_skip(key)
             kind = type(component.value)
             if isinstance(getattr(component, "step", None), float):
                 kind = float
