@@ -17,11 +17,23 @@
   projections itself, so no hook on attn1 runs there: that block is computed whole (the engine counts it).
 
 Everything else the extension uses (Script hooks, the built-in token-merging settings, infotext, X/Y/Z
-plot, the API) is the same in both. This file holds no state: the webui also loads it as a script module.
+plot, the API) is the same in those. This file holds no state: the webui also loads it as a script module.
+
+- **SD.Next** (vladmandic/sdnext): ``shared.sd_model`` is a diffusers pipeline; its U-Net is
+  ``sd_model.unet`` (a diffusers ``UNet2DConditionModel``), called once per scheduler timestep with the CFG
+  batch. Its Script API differs where ToMe is applied: ``process_before_every_sampling``, ``before_hr`` and
+  ``on_cfg_denoiser`` are never called, nothing runs between the base and the hires pass (an img2img
+  pipeline built on the same U-Net), ``p.is_hr_pass`` is True during the hires pass, and ``postprocess``
+  is skipped when sampling failed (``on_after_process`` still runs). Before each pass its own modifiers run:
+  its built-in token merging (settings ``token_merging_method`` "None" / "ToMe" / "ToDo", ``tome_ratio``,
+  ``todo_ratio``, read from the settings only) and HiDiffusion's reset, which turns every module that has
+  a ``_parent`` attribute back into that class (forward hooks, ours, are untouched). Its infotext reserves
+  the keys ``ToMe`` and ``ToDo``.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -111,12 +123,96 @@ class ForgeClassicFamily(Forge):
     unet_modules = ("ldm_patched.ldm",)
 
 
-A1111_HOST, FORGE_HOST, FORGE_CLASSIC_HOST = A1111(), Forge(), ForgeClassicFamily()
+class SDNext(Host):
+    name = "SD.Next"
+    unet_modules = ("diffusers",)
+    # SD.Next's own token merging: the method setting, and the ratio setting each method reads.
+    builtin_method_setting = "token_merging_method"
+    builtin_ratio_settings = {"ToMe": "tome_ratio", "ToDo": "todo_ratio"}
+
+    def unet(self, model: Any) -> nn.Module | None:
+        for owner in (model, getattr(model, "pipe", None)):  # SD.Next wraps some pipelines in ``.pipe``
+            unet = getattr(owner, "unet", None)
+            if isinstance(unet, nn.Module):
+                return unet
+        return None
+
+    def unsupported_reason(self, model: Any) -> str | None:
+        if model is None:
+            return "no model is loaded"
+        unet = self.unet(model)
+        if unet is None:
+            denoiser = getattr(model, "transformer", None)
+            what = f" (its denoiser is {type(denoiser).__name__}, a transformer)" if denoiser is not None else ""
+            return (f"{type(model).__name__} has no U-Net{what}: Flux, SD3 and other transformer-only models "
+                    f"have no U-Net blocks to merge")
+        module = type(unet).__module__
+        if not any(module == known or module.startswith(known + ".") for known in self.unet_modules):
+            return (f"{type(model).__name__}'s U-Net {module}.{type(unet).__name__} is not a diffusers U-Net "
+                    f"(ONNX, OpenVINO or a quantised replacement), so it is left unpatched")
+        return None
+
+    def is_hires_pass(self, p: Any) -> bool:
+        return bool(getattr(p, "is_hr_pass", False))
+
+    def pass_length(self, model: Any) -> int | None:
+        """U-Net calls of the pass under way: the running pipeline's ``num_timesteps`` (one call per scheduler
+        timestep, set before its loop), or None when the pipeline does not tell."""
+        for owner in (model, getattr(model, "pipe", None)):
+            total = getattr(owner, "_num_timesteps", None)
+            if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+                return total
+        return None
+
+    def active_builtin_token_merging(self, p: Any, opts: Any) -> dict[str, Any]:
+        """SD.Next's own token merging this job would apply ({setting: value}), taking the request's
+        override_settings into account; empty when it is off."""
+        overrides = getattr(p, "override_settings", None) or {}
+
+        def value(key: str) -> Any:
+            return overrides.get(key, getattr(opts, key, None))
+
+        method = value(self.builtin_method_setting)
+        ratio_key = self.builtin_ratio_settings.get(method)
+        if ratio_key is None or not value(ratio_key):
+            return {}
+        return {self.builtin_method_setting: method, ratio_key: value(ratio_key)}
+
+
+A1111_HOST, FORGE_HOST, FORGE_CLASSIC_HOST, SDNEXT_HOST = A1111(), Forge(), ForgeClassicFamily(), SDNext()
+
+
+def page_links_input_accordion() -> bool:
+    """Whether the webui's page script turns an ``InputAccordion``'s value on and off with the accordion
+    (A1111 and the Forge family). SD.Next has the class (``modules.ui_components``, marked unused) but not the
+    page script, so there its value would never change; SD.Next is the webui whose ``modules.scripts``
+    re-exports ``modules.scripts_manager``."""
+    return "modules.scripts_manager" not in sys.modules
+
+
+def paste_needs_updates() -> bool:
+    """Whether a paste field's function must return a gradio update rather than a plain value: SD.Next's
+    paste (``generation_parameters_copypaste.paste_func``) takes a plain value for a field name and calls
+    ``.lower()`` on the function, which fails the whole paste."""
+    return not page_links_input_accordion()
+
+
+def is_diffusers_pipeline(model: Any) -> bool:
+    """A diffusers pipeline (SD.Next's ``shared.sd_model``): a ``DiffusionPipeline`` subclass, or an object
+    with a ``.unet`` or ``.transformer`` module and no ldm ``.model``."""
+    if any(cls.__name__ == "DiffusionPipeline" for cls in type(model).__mro__):
+        return True
+    if hasattr(model, "model") or hasattr(model, "forge_objects"):
+        return False
+    return any(isinstance(getattr(model, name, None), nn.Module) for name in ("unet", "transformer"))
 
 
 def host_of(model: Any) -> Host:
     """The host whose layout ``model`` has: Forge's models carry ``forge_objects``; of those, reForge's and
-    Forge Classic's U-Net comes from ``ldm_patched`` (and their model is also an ldm ``LatentDiffusion``)."""
+    Forge Classic's U-Net comes from ``ldm_patched`` (and their model is also an ldm ``LatentDiffusion``);
+    SD.Next's is a diffusers pipeline."""
+    if is_diffusers_pipeline(model):
+        return SDNEXT_HOST
     if not hasattr(model, "forge_objects"):
         return A1111_HOST
     unet = FORGE_HOST.unet(model)

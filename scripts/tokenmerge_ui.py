@@ -15,6 +15,8 @@ defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
 
 from __future__ import annotations
 
+import json
+import re
 import weakref
 from functools import partial
 from typing import Any
@@ -26,7 +28,8 @@ from modules import script_callbacks, scripts, shared
 from modules.ui_components import InputAccordion
 
 import tome_core
-from scripts.tokenmerge_hosts import host_of, restore_hypertile, set_aside_hypertile
+from scripts.tokenmerge_hosts import (SDNEXT_HOST, host_of, page_links_input_accordion, paste_needs_updates,
+                                      restore_hypertile, set_aside_hypertile)
 from tome_core import settings as tm
 
 LOG_PREFIX = "[ToMe]"
@@ -47,6 +50,8 @@ PASS_ATTRIBUTE = "tokenmerge_pass"
 _patched_unets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Hypertile layer settings turned off while ToMe merges those layers.
 _hypertile_set_aside: list = []
+# SD.Next: the hooks that follow the U-Net's calls through the batch's passes (``DiffusersPasses``).
+_pass_watches: list = []
 # Of the patches removed since the job began: attention calls that ran unmerged because another extension
 # handed them other rows or tokens than the plan's, and block calls whose plan no attention call used.
 _foreign_calls = {"unmerged_calls": 0, "unused_plans": 0}
@@ -63,6 +68,13 @@ def remove_all_patches() -> None:
         _patched_unets.pop(unet, None)
     restore_hypertile(_hypertile_set_aside)
     _hypertile_set_aside.clear()
+
+
+def end_job() -> None:
+    """Everything this module added for a job removed: the patches and SD.Next's pass watches."""
+    while _pass_watches:
+        _pass_watches.pop().remove()
+    remove_all_patches()
 
 
 def report_foreign_calls(p: Any) -> None:
@@ -152,6 +164,68 @@ class SamplingPass:
             p.extra_generation_params = {**p.extra_generation_params, tm.REFINER_INFOTEXT: "unmerged"}
 
 
+class DiffusersPasses:
+    """SD.Next: ToMe through the passes of one batch, driven by the U-Net's own calls. SD.Next calls no Script
+    hook per sampling pass and none between the base and the hires pass (both run on this U-Net), so hooks
+    on the U-Net count its calls: each is one scheduler timestep of the running pipeline, which gives the
+    step window its progress, and the last call of the base pass is where the hires pass's patch goes on
+    (another ratio, or the first patch with "Hires fix only"). A patch changes only between U-Net calls,
+    never inside one. Should a pass begin that was not foreseen (``p.is_hr_pass`` changed, the pipeline
+    did not tell its length), its patch goes on after its first call."""
+
+    def __init__(self, script: "TokenMergeScript", p: Any, args: tuple, unet: nn.Module) -> None:
+        self.script, self.p, self.args, self.unet = script, p, args, unet
+        self.hires = False
+        self.calls = 0  # U-Net calls so far in the pass
+        self.total: int | None = None  # U-Net calls the pass makes
+        self.pending = False
+        self.handles = [unet.register_forward_pre_hook(self._before_call, with_kwargs=True, prepend=True),
+                        unet.register_forward_hook(self._after_call)]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def start_pass(self, hires: bool) -> None:
+        self.hires, self.calls = hires, 0
+        self.script.patch_pass(self.p, self.args, hires, keep_same=True)
+
+    def _guarded(self, step: Any) -> None:
+        """Run ``step``; should it raise, the job goes on without ToMe (one console line)."""
+        try:
+            step()
+        except Exception as error:
+            self.remove()
+            remove_all_patches()
+            note_once(self.p, f"stopped following SD.Next's passes ({error!r}); generating without ToMe")
+
+    def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._guarded(self._track_call)
+
+    def _after_call(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._guarded(self._count_call)
+
+    def _track_call(self) -> None:
+        hires = SDNEXT_HOST.is_hires_pass(self.p)
+        if hires != self.hires:
+            self.hires, self.calls, self.pending = hires, 0, True
+        self.total = SDNEXT_HOST.pass_length(shared.sd_model)
+        progress = tm.evaluation_progress(self.calls, self.total)
+        for unet in list(_patched_unets.keys()):
+            tome_core.set_progress(unet, progress)
+
+    def _count_call(self) -> None:
+        self.calls += 1
+        if self.pending:
+            self.pending = False
+            self.start_pass(self.hires)
+            self.calls = 1  # this call was the pass's first
+        elif (not self.hires and self.total is not None and self.calls >= self.total
+              and getattr(self.p, "enable_hr", False) and not self.script.is_img2img):
+            self.start_pass(True)  # the base pass's last call: the hires pass comes next
+
+
 class TokenMergeScript(scripts.Script):
     section = "accordions"
 
@@ -175,8 +249,15 @@ class TokenMergeScript(scripts.Script):
     def ui(self, is_img2img: bool) -> list[gr.components.Component]:
         defaults = tm.DISABLED
         c: dict[str, gr.components.Component] = {}
-        with InputAccordion(defaults.enabled, label=tm.PARAM["enabled"].label,
-                            elem_id=self.elem_id("enabled")) as c["enabled"]:
+        if page_links_input_accordion():
+            accordion = InputAccordion(defaults.enabled, label=tm.PARAM["enabled"].label,
+                                       elem_id=self.elem_id("enabled"))
+        else:
+            # The page would leave an InputAccordion's value as it is whatever the user does: an accordion
+            # with the switch as its first control instead.
+            accordion = gr.Accordion(tm.PARAM["enabled"].label, open=False, elem_id=self.elem_id("accordion"))
+        with accordion:
+            c["enabled"] = accordion if isinstance(accordion, InputAccordion) else self._control("enabled")
             c["ratio"] = self._control("ratio")
             note_text = tm.ratio_note(defaults.ratio, defaults.hr_ratio, defaults.sx, defaults.sy)
             note = gr.Markdown(note_text, visible=bool(note_text), elem_id=self.elem_id("ratio_note"))
@@ -202,7 +283,8 @@ class TokenMergeScript(scripts.Script):
                              queue=False)
 
         shown = [key for key in tm.KEYS if not (is_img2img and tm.PARAM[key].txt2img_only)]
-        self.infotext_fields = [(c[key], partial(tm.pasted_value, key)) for key in shown]
+        pasted = _pasted_update if paste_needs_updates() else tm.pasted_value
+        self.infotext_fields = [(c[key], partial(pasted, key)) for key in shown]
         self.paste_field_names = [tm.PARAM[key].infotext for key in shown if tm.PARAM[key].infotext]
         return [c[key] for key in tm.KEYS]
 
@@ -226,12 +308,14 @@ class TokenMergeScript(scripts.Script):
         settings = self.job_settings(p, args, report=True)
         p.tokenmerge_printed = set()
         # postprocess does not run when sampling raised, so the previous job may have left its patch on.
-        remove_all_patches()
+        end_job()
         _foreign_calls.update(unmerged_calls=0, unused_plans=0)
         if settings.enabled and (reason := current_unet()[1]):
             # Say why now, and leave the webui's own token merging as the user set it: turning it off for a job
             # that then skips ToMe would leave the user with no merging at all.
             note_once(p, f"skipped: {reason}")
+        elif settings.enabled and host_of(shared.sd_model) is SDNEXT_HOST:
+            take_over_sdnext_token_merging(p)
         elif settings.enabled:
             take_over_builtin_token_merging(p)
 
@@ -245,15 +329,31 @@ class TokenMergeScript(scripts.Script):
             note_once(p, "'Hires fix only' is on but this job has no hires fix pass: nothing is merged")
             settings = tm.DISABLED
         p.extra_generation_params = {**without_own_infotext(p.extra_generation_params), **settings.to_infotext()}
+        if host_of(shared.sd_model) is SDNEXT_HOST:
+            # SD.Next calls no hook per sampling pass: patch now, and follow the passes from the U-Net's calls.
+            end_job()
+            if settings.enabled:
+                _pass_watches.append(DiffusersPasses(self, p, args, current_unet()[0]))
+                _pass_watches[-1].start_pass(False)
 
     def process_before_every_sampling(self, p: Any, *args: Any, **kwargs: Any) -> None:
+        self.patch_pass(p, args, bool(getattr(p, "is_hr_pass", False)))
+
+    def patch_pass(self, p: Any, args: tuple, hires: bool, *, keep_same: bool = False) -> None:
+        """Patch the current model for one sampling pass (the first, or the hires-fix pass), or leave it
+        unpatched when ToMe does not apply to that pass. ``keep_same``: a patch with this pass's options
+        stays as it is (SD.Next, whose passes no other extension's hook separates)."""
         settings = self.job_settings(p, args)
-        hires = bool(getattr(p, "is_hr_pass", False))
-        setattr(p, PASS_ATTRIBUTE, None)
         if not settings.applies_to_pass(hires):
+            setattr(p, PASS_ATTRIBUTE, None)
             remove_all_patches()
             return
-        sampling_pass = SamplingPass(settings.engine_options(hires=hires, seed=batch_seed(p)))
+        options = settings.engine_options(hires=hires, seed=batch_seed(p))
+        unet = current_unet()[0]
+        if keep_same and unet is not None and _patched_unets.get(unet) == options:
+            return
+        setattr(p, PASS_ATTRIBUTE, None)
+        sampling_pass = SamplingPass(options)
         refusal = sampling_pass.patch_current_model()
         if refusal is None:
             setattr(p, PASS_ATTRIBUTE, sampling_pass)
@@ -270,7 +370,7 @@ class TokenMergeScript(scripts.Script):
 
     def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
         setattr(p, PASS_ATTRIBUTE, None)
-        remove_all_patches()
+        end_job()
         report_foreign_calls(p)
 
 
@@ -304,6 +404,37 @@ def take_over_builtin_token_merging(p: Any) -> None:
                          f"stay 0 after it")
     # A new dict: XYZ plot cells share the old one.
     p.override_settings = {**overrides, **{key: 0.0 for key in zeroed}}
+
+
+def take_over_sdnext_token_merging(p: Any) -> None:
+    """SD.Next's own token merging off for this job: the ratio setting of its active method at 0, through
+    override_settings, which SD.Next applies after ``before_process`` and restores after the request (its
+    X/Y/Z grid, whose cells keep their settings, restores the ratios after the grid). The request's own
+    ``token_merging_method`` / ``tome_ratio`` / ``todo_ratio`` fields only reach SD.Next's infotext (its
+    patch reads the settings alone): they are cleared, so that no ``ToMe``/``ToDo`` entry claims a merge."""
+    host = SDNEXT_HOST
+    active = host.active_builtin_token_merging(p, shared.opts)
+    requested = {key: getattr(p, key) for key in (host.builtin_method_setting, *host.builtin_ratio_settings.values())
+                 if getattr(p, key, None) is not None}
+    for key in requested:
+        setattr(p, key, None)
+    if active or requested:
+        listed = ", ".join(f"{key}={value}" for key, value in {**active, **requested}.items())
+        note_once(p, f"SD.Next's built-in token merging ({listed}) is off for this job; the ToMe accordion applies")
+    if not active:
+        return
+    ratio_key = host.builtin_ratio_settings[active[host.builtin_method_setting]]
+    if not getattr(p, "override_settings_restore_afterwards", True) and not getattr(p, "xyz", False):
+        note_once(p, f"override_settings_restore_afterwards is off for this request, so {ratio_key} stays 0 "
+                     f"after it")
+    # A new dict: X/Y/Z grid cells may share the old one.
+    p.override_settings = {**(getattr(p, "override_settings", None) or {}), ratio_key: 0.0}
+
+
+def _pasted_update(key: str, params: dict) -> Any:
+    """``tm.pasted_value`` as a gradio update (None: leave the control as it is)."""
+    value = tm.pasted_value(key, params)
+    return None if value is None else gr.update(value=value)
 
 
 def _ratio_note_update(ratio: Any, hr_ratio: Any, sx: Any, sy: Any, method: Any = "ToMe") -> dict:
@@ -347,7 +478,35 @@ def _register_callbacks() -> None:
         return
     _callbacks_registered = True
     script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
-    script_callbacks.on_script_unloaded(remove_all_patches)
+    script_callbacks.on_script_unloaded(end_job)
+    script_callbacks.on_infotext_pasted(_on_infotext_pasted)
+    # SD.Next: runs after every job, also one whose sampling failed (its postprocess hooks are skipped then).
+    on_after_process = getattr(script_callbacks, "on_after_process", None)
+    if on_after_process is not None:
+        on_after_process(_after_process)
+
+
+def _after_process(p: Any) -> None:
+    end_job()
+
+
+def _on_infotext_pasted(infotext: str, params: dict) -> None:
+    """Add our entries the webui's parser missed: SD.Next's reads only keys of letters, digits, "_" and
+    spaces, so "ToMe merge cross-attention" and "ToMe re-plan every" never reach the paste fields there."""
+    if not isinstance(infotext, str) or not isinstance(params, dict) or tm.RATIO_INFOTEXT not in params:
+        return
+    for key in tm.INFOTEXT_KEYS:
+        if key in params:
+            continue
+        found = re.search(rf'(?:^|[,\n])\s*{re.escape(key)}:\s*("(?:\\.|[^"\\])*"|[^,\n]*)', infotext)
+        if found:
+            value = found.group(1).strip()
+            if value.startswith('"'):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    continue
+            params[key] = value
 
 
 _register_callbacks()

@@ -1,0 +1,195 @@
+"""Checks the extension in a running real SD.Next over its HTTP API (not a pytest test: it needs the server).
+
+Start SD.Next with this repository linked as an extension, and with the harness's "unet failer" extension
+(see ``FAILER`` below) for the failure check, then::
+
+    python3 tests/sdnext_harness_check.py [--url http://127.0.0.1:7865] [--log .../run/sdnext.log]
+
+Prints one line per check (the pixels' md5, the infotext's ToMe entries, the console lines the job printed)
+and exits 1 if a check fails. Standard library only. Pixels are compared by the md5 of the PNG's decoded
+image data, so two images match exactly or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import re
+import struct
+import sys
+import urllib.error
+import urllib.request
+import zlib
+
+FAILER = "unet failer"  # always-on test script: args [true] make the U-Net raise at its 2nd call of the job
+HIRES = dict(enable_hr=True, hr_scale=2.0, hr_upscaler="Latent Bilinear", hr_resize_mode=1, hr_second_pass_steps=2,
+             hr_denoising_strength=0.5)
+failures: list[str] = []
+
+
+def idat_md5(png: bytes) -> str:
+    pos, data = 8, b""
+    while pos + 8 <= len(png):
+        length, kind = struct.unpack(">I4s", png[pos:pos + 8])
+        if kind == b"IDAT":
+            data += png[pos + 8:pos + 8 + length]
+        pos += 12 + length
+    return hashlib.md5(zlib.decompress(data)).hexdigest()
+
+
+class Server:
+    def __init__(self, url: str, log: str | None) -> None:
+        self.url, self.log = url.rstrip("/"), log
+
+    def call(self, path: str, payload: dict | None = None) -> tuple[int, object]:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=1800) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()[:2000]
+
+    def log_size(self) -> int:
+        return os.path.getsize(self.log) if self.log and os.path.exists(self.log) else 0
+
+    def log_since(self, start: int) -> str:
+        if not self.log or not os.path.exists(self.log):
+            return ""
+        with open(self.log, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")
+
+    def generate(self, tab: str = "txt2img", tome=None, **fields) -> dict:
+        request = {"prompt": "a photo of a cat", "negative_prompt": "", "width": 128, "height": 128, "steps": 4,
+                   "sampler_name": "Euler", "cfg_scale": 6.0, "seed": 1, "save_images": False, "send_images": True,
+                   **fields}
+        if tome is not None:
+            request.setdefault("alwayson_scripts", {})["tome"] = {"args": tome}
+        start = self.log_size()
+        status, body = self.call(f"/sdapi/v1/{tab}", request)
+        lines = [line for line in self.log_since(start).splitlines() if line.startswith("[ToMe]")]
+        result = {"status": status, "lines": lines, "md5": None, "info": "", "keys": {}, "log": self.log_since(start)}
+        if status == 200 and isinstance(body, dict):
+            images = body.get("images") or []
+            if images:
+                png = base64.b64decode(images[0].split(",", 1)[-1])
+                result["png"], result["md5"] = png, idat_md5(png)
+                result["md5s"] = [idat_md5(base64.b64decode(i.split(",", 1)[-1])) for i in images]
+            info = json.loads(body["info"]) if isinstance(body.get("info"), str) else body.get("info") or {}
+            result["info"] = (info.get("infotexts") or [""])[0]
+            result["infotexts"] = info.get("infotexts") or []
+            result["keys"] = tome_keys(result["info"])
+        return result
+
+
+def tome_keys(infotext: str) -> dict:
+    last = infotext.strip().split("\n")[-1] if infotext else ""
+    return dict(re.findall(r"(?:^|, )(ToMe[^:,]*|ToDo): ([^,]*)", last))
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    if not ok:
+        failures.append(name)
+
+
+def describe(r: dict) -> str:
+    return f"md5 {r['md5']} keys {r['keys']} lines {r['lines']}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=os.environ.get("SDNEXT_URL", "http://127.0.0.1:7865"))
+    ap.add_argument("--log", default=os.path.expanduser("~/tome-bars/sdnext-harness/run/sdnext.log"))
+    s = Server(ap.parse_args().url, ap.parse_args().log)
+
+    plain = s.generate()
+    check("plain", plain["status"] == 200 and plain["keys"] == {}, describe(plain))
+    tome = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
+    check("ToMe 0.5 changes the pixels", tome["md5"] not in (None, plain["md5"]) and tome["lines"] == []
+          and tome["keys"] == {"ToMe ratio": "0.5"}, describe(tome))
+    again = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
+    check("ToMe 0.5 again: the same pixels", again["md5"] == tome["md5"], describe(again))
+    after = s.generate()
+    check("plain after: the plain pixels", after["md5"] == plain["md5"], describe(after))
+    positional = s.generate(tome=[True, 0.5])
+    check("positional [true, 0.5] = the dict form", positional["md5"] == tome["md5"], describe(positional))
+    for method in ("ToDo", "Local"):
+        r = s.generate(tome=[{"enabled": True, "ratio": 0.5, "method": method}])
+        check(f"{method}", r["md5"] not in (None, plain["md5"], tome["md5"]) and r["lines"] == []
+              and r["keys"] == {"ToMe ratio": "0.5", "ToMe method": method}, describe(r))
+    window = s.generate(tome=[{"enabled": True, "ratio": 0.5, "step_start": 0.5}])
+    check("step window [0.5, 1]", window["md5"] not in (None, plain["md5"], tome["md5"]), describe(window))
+
+    hires_plain = s.generate(**HIRES)
+    check("hires plain", hires_plain["status"] == 200, describe(hires_plain))
+    hires_all = s.generate(tome=[{"enabled": True, "ratio": 0.5}], **HIRES)
+    hires_only = s.generate(tome=[{"enabled": True, "ratio": 0.5, "hr_only": True}], **HIRES)
+    hires_ratio = s.generate(tome=[{"enabled": True, "ratio": 0.5, "hr_ratio": 0.3}], **HIRES)
+    check("hires, both passes", hires_all["md5"] not in (None, hires_plain["md5"]), describe(hires_all))
+    check("hires fix only", hires_only["md5"] not in (None, hires_plain["md5"], hires_all["md5"])
+          and hires_only["keys"] == {"ToMe ratio": "0.5", "ToMe hires only": "True"}, describe(hires_only))
+    check("hires ratio 0.3", hires_ratio["md5"] not in (None, hires_plain["md5"], hires_all["md5"])
+          and hires_ratio["keys"] == {"ToMe ratio": "0.5", "ToMe hr ratio": "0.3"}, describe(hires_ratio))
+    no_hires = s.generate(tome=[{"enabled": True, "hr_only": True}])
+    check("hires fix only without hires", no_hires["md5"] == plain["md5"] and len(no_hires["lines"]) == 1,
+          describe(no_hires))
+
+    bad = s.generate(tome=[{"enabled": True, "ratio": 2}])
+    check("bad ratio: one line, plain pixels", bad["md5"] == plain["md5"] and len(bad["lines"]) == 1
+          and bad["keys"] == {}, describe(bad))
+
+    # SD.Next's built-in token merging: a setting a job with the accordion sets aside, and back after it.
+    s.call("/sdapi/v1/options", {"token_merging_method": "ToMe", "tome_ratio": 0.5})
+    builtin_only = s.generate()
+    aside = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
+    status, options = s.call("/sdapi/v1/options")
+    builtin_back = s.generate()
+    s.call("/sdapi/v1/options", {"token_merging_method": "None", "tome_ratio": 0.0})
+    check("built-in ToMe alone (its own job)", "Applying ToMe: ratio=0.5" in builtin_only["log"]
+          and builtin_only["keys"] == {"ToMe": "0.5"}, describe(builtin_only))
+    check("built-in ToMe set aside for the accordion's job", "Applying ToMe" not in aside["log"]
+          and aside["md5"] == tome["md5"] and aside["keys"] == {"ToMe ratio": "0.5"} and len(aside["lines"]) == 1,
+          describe(aside))
+    check("built-in settings back after the job", isinstance(options, dict) and options.get("tome_ratio") == 0.5
+          and options.get("token_merging_method") == "ToMe" and "Applying ToMe: ratio=0.5" in builtin_back["log"],
+          f"tome_ratio={options.get('tome_ratio') if isinstance(options, dict) else options!r}")
+
+    # A job whose sampling fails: SD.Next logs it and skips postprocess; nothing of ours may stay.
+    failed = s.generate(tome=[{"enabled": True, "ratio": 0.5}], alwayson_scripts={FAILER: {"args": [True]}})
+    check("failing job", "simulated failure" in failed["log"], f"status {failed['status']} md5 {failed['md5']}")
+    after_failure = s.generate()
+    check("plain after the failure: the plain pixels", after_failure["md5"] == plain["md5"], describe(after_failure))
+    tome_after_failure = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
+    check("ToMe after the failure: the same ToMe pixels", tome_after_failure["md5"] == tome["md5"],
+          describe(tome_after_failure))
+
+    # img2img, from the plain image.
+    init = "data:image/png;base64," + base64.b64encode(plain["png"]).decode()
+    i2i_plain = s.generate("img2img", init_images=[init], denoising_strength=0.6)
+    i2i_tome = s.generate("img2img", tome=[{"enabled": True, "ratio": 0.5}], init_images=[init],
+                          denoising_strength=0.6)
+    check("img2img", i2i_tome["md5"] not in (None, i2i_plain["md5"]) and i2i_tome["keys"] == {"ToMe ratio": "0.5"},
+          f"plain {i2i_plain['md5']} tome {describe(i2i_tome)}")
+
+    # X/Y/Z grid: our axes are listed, and a grid over the ratio runs one job per value.
+    status, axes = s.call("/sdapi/v1/xyz-grid")
+    ours = [a["label"] for a in axes if a["label"].startswith("[ToMe]")] if isinstance(axes, list) else []
+    check("X/Y/Z axes listed", "[ToMe] Ratio" in ours and "[ToMe] Method" in ours, f"{ours}")
+    grid = s.generate(script_name="xyz grid script", script_args=[
+        "[ToMe] Ratio", "0.5,0.3", "", "Nothing", "", "", "Nothing", "", "",
+        False, True, False, True, False, True, False, False])
+    cells = [tome_keys(t) for t in grid.get("infotexts", [])]
+    check("X/Y/Z grid over [ToMe] Ratio", grid["status"] == 200 and {"ToMe ratio": "0.5"} in cells
+          and {"ToMe ratio": "0.3"} in cells and tome["md5"] in grid.get("md5s", []),
+          f"{len(grid.get('md5s', []))} images {grid.get('md5s')} cells {cells}")
+    print(f"{len(failures)} failed" if failures else "all passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
