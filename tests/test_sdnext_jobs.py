@@ -162,7 +162,7 @@ def test_a_failing_job_leaves_no_patch_and_the_next_job_is_plain(fresh):
     ([{"enabled": True, "ratio": 2.0}], "ratio"),
     ([{"enabled": True, "method": "tomesd"}], "method"),
     ([{"enabled": True, "colour": "red"}], "unknown key 'colour'"),
-    ([True, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest", 0.0, 1.0, 1, "extra"], "at most"),
+    ([True, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest", 0.0, 1.0, 1, False, "extra"], "at most"),
 ])
 def test_bad_arguments_give_one_console_line_and_a_plain_job(fresh, capsys, args, message):
     plain = fresh.txt2img()

@@ -36,6 +36,7 @@ def test_the_accordion_is_in_both_tabs_with_every_control(sdnext, tab):
 
 @pytest.mark.parametrize("values", [
     {"ratio": 0.4, "method": "Local", "local_replan": 3, "step_start": 0.2},
+    {"ratio": 0.25, "method": "Local", "size_weighted_keys": True},
     {"ratio": 0.3, "merge_crossattn": True, "max_downsample": "2", "use_rand": False, "hr_only": True,
      "hr_ratio": 0.6},
     {"ratio": 0.5, "method": "ToDo", "todo_factor": 3, "todo_pool": "average"},
