@@ -23,7 +23,8 @@ from .contenders import Contender, Wrapped, roster, tomesd_available
 from .fidelity import Pictures, sample_pictures
 from .opcount import OpCount, count_ops, ops_per_block
 from .pipeline import Pipeline
-from .report import Case, Entry, Load, worst_load
+from .report import Case, Entry, Fidelity, Load, worst_load
+from .stepwise import step_errors
 from .timing import CpuWatch, Spread, interleaved_rounds, model_timer, spreads
 
 STRIDE = 2  # sx = sy = 2, the default of ours and tomesd
@@ -191,11 +192,7 @@ def bench_pipeline(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size:
     wrapped = Wrapped(unet)
     level = min((lv for _, _, lv in transformer_levels(unet)), default=0)
     racers = racers_for(args, args.max_downsample or 2 ** level)
-    pictures = None
-    if args.fidelity:
-        setup.progress.set_postfix_str(f"sampling {size} px, {args.steps} steps")
-        pictures = sample_pictures(pipe, racers, size, args.steps, args.seed, args.images, setup.device,
-                                   on_done=lambda name: setup.progress.update())
+    fidelity, pictures = measure_fidelity(args, setup, pipe, size, racers) if args.fidelity else (None, None)
     side = size // pipe.downscale
     gen = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(args.batch, pipe.channels, side, side, generator=gen).to(setup.device, setup.dtype)
@@ -206,5 +203,21 @@ def bench_pipeline(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size:
     ops: dict[str, float | None] = {}
     ms = race(f"{pipe.label} {size} px", wrapped, lambda: unet(x, t, **kwargs), racers, setup, args.repeats,
               ops=ops)
-    fidelity = pictures.fidelity() if pictures is not None else None
     return Case(pipe.label, size, entries(racers), ms, fidelity, ops), pictures
+
+
+def measure_fidelity(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size: int,
+                     racers: list[Contender] | None = None) -> tuple[dict[str, Fidelity], Pictures]:
+    """Both fidelity figures of every contender on ``pipe`` at ``size`` px, image by image: the final pictures
+    after ``args.steps`` Euler steps (``fidelity``) and one step's prediction along the unmerged trajectory
+    (``stepwise``). Two U-Net passes of ``args.steps`` calls per contender."""
+    if racers is None:
+        level = min((lv for _, _, lv in transformer_levels(pipe.unet)), default=0)
+        racers = racers_for(args, args.max_downsample or 2 ** level)
+    setup.progress.set_postfix_str(f"{pipe.label}: sampling {size} px, {args.steps} steps")
+    pictures = sample_pictures(pipe, racers, size, args.steps, args.seed, args.images, setup.device,
+                               on_done=lambda name: setup.progress.update())
+    setup.progress.set_postfix_str(f"{pipe.label}: each step's prediction, {size} px")
+    steps = step_errors(pipe, racers, pictures.trajectory, args.seed, setup.device,
+                        on_done=lambda name: setup.progress.update())
+    return pictures.fidelity(steps=steps), pictures
