@@ -345,13 +345,17 @@ def load_proxy_pipeline(device: torch.device, dtype: torch.dtype, path: str | No
     try:
         pipe = proxy.load_proxy(device=device, dtype=dtype, path=path)
     except (OSError, ValueError) as error:  # weights missing, unreadable or of another architecture
-        given = path is not None and path not in getattr(proxy, "SHIPPED_WEIGHTS", ())
+        given = path is not None and not _shipped(proxy, path)
         raise UsageError(("--proxy " if given else "") + _first_line(error)) from None
     if getattr(pipe, "size", None) is None:
         pipe.size = getattr(proxy, "EVAL_SIZE", 64)
-    if path is not None and path not in getattr(proxy, "SHIPPED_WEIGHTS", ()):
+    if path is not None and not _shipped(proxy, path):
         pipe.notes = list(pipe.notes) + [f"proxy weights: {path}"]
     return pipe
+
+
+def _shipped(proxy, path: str) -> bool:
+    return os.path.abspath(path) in {os.path.abspath(p) for p in getattr(proxy, "SHIPPED_WEIGHTS", ())}
 
 
 def _unet_only_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Pipeline:

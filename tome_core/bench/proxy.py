@@ -324,7 +324,8 @@ def describe(path: str | None) -> str:
     except ValueError:
         seed = None
     name = f"seed {seed}" if seed is not None else os.path.basename(path)
-    return name if path in SHIPPED_WEIGHTS or seed is None else f"{name} ({os.path.basename(path)})"
+    shipped = os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS}
+    return name if shipped or seed is None else f"{name} ({os.path.basename(path)})"
 
 
 # -- samples grid -----------------------------------------------------------------------------------------------
