@@ -1,7 +1,8 @@
-"""Reversible patching of ldm/sgm U-Nets: forward hooks only, no class swap, nothing global.
+"""Reversible patching of U-Nets (ldm/sgm and diffusers): forward hooks only, no class swap, nothing global.
 
-Per patched transformer block:
-- the enclosing ``SpatialTransformer``'s pre-hook records the block's token grid (h, w) from its input, so the
+What differs between the families (which module is a transformer, how its calls name their arguments) is in
+``tome_core.families``; the hooks and plans here are the same for all. Per patched transformer block:
+- the enclosing transformer's pre-hook records the block's token grid (h, w) from its input, so the
   grid is known exactly for every latent size and call style;
 - the block's pre-hook computes one merge plan from the block input (or nothing outside the step window,
   at ratio 0, or on a level that is not selected), and its post-hook drops it;
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .families import LDM, Family, diffusion_transformer_name, family_of
 from .local import LocalPlan, plan_local
 from .merge import MergePlan, downsample_tokens, plan_merge
 from .options import MergeOptions, check_number
@@ -37,10 +39,9 @@ class _BlockRecord:
     __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key", "row", "layout",
                  "used")
 
-    def __init__(self, name: str, index: int, level: int, module: nn.Module) -> None:
+    def __init__(self, name: str, index: int, level: int, module: nn.Module, family: Family) -> None:
         self.name, self.index, self.level, self.module = name, index, level, module
-        # attn1 attends to the text instead in blocks built with disable_self_attn.
-        self.self_attention = not getattr(module, "disable_self_attn", False)
+        self.self_attention = family.attends_to_image(module)
         self.grid: tuple[int, int] | None = None
         self.plan: MergePlan | object | None = None
         # (batch, tokens) of the block input the plan was made for: an attention call on anything else (a
@@ -51,63 +52,77 @@ class _BlockRecord:
         self.row = 0  # its place among the selected blocks: its row of a call's random partitions
 
 
-def _is_transformer(module: nn.Module) -> bool:
-    return type(module).__name__ == "SpatialTransformer" and hasattr(module, "transformer_blocks")
-
-
 def _is_block(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("attn1", "attn2", "ff", "norm1", "norm2", "norm3"))
 
 
-def _has_resampler(module: nn.Module, kind: str) -> bool:
-    return any(type(m).__name__ == kind for m in module.modules())
-
-
 def transformer_levels(root: nn.Module) -> list[tuple[str, nn.Module, int]]:
-    """Every SpatialTransformer under ``root`` with its downsampling level (0 = latent resolution).
+    """Every transformer (ldm ``SpatialTransformer``, diffusers ``Transformer2DModel``) under ``root`` with its
+    downsampling level (0 = latent resolution), in call order; see ``Family.transformer_levels``."""
+    family = family_of(root)
+    return family.transformer_levels(root) if family is not None else []
 
-    Levels come from the U-Net's structure (a ``Downsample`` in an input block or an ``Upsample`` in an output
-    block changes the level after that block), not from token counts, so they hold for any latent size. A
-    module tree that is not an ldm/sgm U-Net has all its transformers at level 0.
-    """
-    names = {id(m): n for n, m in root.named_modules()}
-    found: list[tuple[str, nn.Module, int]] = []
 
-    def collect(container: nn.Module, level: int) -> None:
-        for m in container.modules():
-            if _is_transformer(m):
-                found.append((names.get(id(m), ""), m, level))
-
-    if all(hasattr(root, a) for a in ("input_blocks", "middle_block", "output_blocks")):
-        level = 0
-        for block in root.input_blocks:
-            collect(block, level)
-            level += _has_resampler(block, "Downsample")
-        collect(root.middle_block, level)
-        for block in root.output_blocks:
-            collect(block, level)
-            level -= _has_resampler(block, "Upsample")
-    else:
-        collect(root, 0)
-    return found
+_WHAT = ("a torch.nn.Module (an LDM/SGM model, its U-Net, a diffusers UNet2DConditionModel or a pipeline with "
+         "a .unet)")
 
 
 def resolve_unet(model: Any) -> nn.Module:
     """The module to patch: ``model.model.diffusion_model`` (the webui's ``shared.sd_model``) or
-    ``model.diffusion_model`` when present, else ``model`` itself."""
+    ``model.diffusion_model`` when present; a diffusers pipeline's ``model.unet``; else ``model`` itself."""
     if model is None:
-        raise TypeError("model must be a torch.nn.Module (an LDM/SGM model, its U-Net or a module tree "
-                        "holding SpatialTransformers), got None")
-    # The webui's sd_model (model.model.diffusion_model) or its DiffusionWrapper (model.diffusion_model).
-    for inner in (getattr(getattr(model, "model", None), "diffusion_model", None),
-                  getattr(model, "diffusion_model", None)):
-        if isinstance(inner, nn.Module):
-            return inner
-    root = model
-    if not isinstance(root, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (an LDM/SGM model, its U-Net or a module tree "
-                        f"holding SpatialTransformers), got {type(model).__name__}")
-    return root
+        raise TypeError(f"model must be {_WHAT}, got None")
+    # The webui's sd_model (model.model.diffusion_model) or its DiffusionWrapper (model.diffusion_model), and
+    # a wrapper of those (a caller's adapter around a diffusers U-Net holds it as .diffusion_model too).
+    for _ in range(4):
+        inner = next((m for m in (getattr(getattr(model, "model", None), "diffusion_model", None),
+                                  getattr(model, "diffusion_model", None)) if isinstance(m, nn.Module)), None)
+        if inner is None or inner is model:
+            break
+        model = inner
+    if isinstance(model, nn.Module):
+        return model
+    # A diffusers pipeline (not a module itself): its denoiser is .unet, or .transformer in DiT pipelines.
+    unet = getattr(model, "unet", None)
+    if isinstance(unet, nn.Module):
+        return unet
+    denoiser = getattr(model, "transformer", None)
+    if isinstance(denoiser, nn.Module):
+        raise ValueError(f"{type(model).__name__} has no U-Net: its denoiser is {type(denoiser).__name__}, a "
+                         f"diffusion transformer; token merging patches U-Nets (SD 1.x, SD 2.x, SDXL) only")
+    if hasattr(model, "unet") or hasattr(model, "components"):
+        raise ValueError(f"{type(model).__name__} has no U-Net to patch (its .unet is "
+                         f"{type(unet).__name__})")
+    raise TypeError(f"model must be {_WHAT}, got {type(model).__name__}")
+
+
+def check_loaded(root: nn.Module) -> None:
+    """Refuse a U-Net whose weights are not in memory: on the meta device (built empty, or offloaded by
+    accelerate's sequential CPU offload), or behind accelerate hooks that move its sub-modules' weights in
+    at each call. Such a model's every block call would move weights the plan does not need, and one built
+    empty computes nothing. Moving the whole model at its call (``enable_model_cpu_offload``) is fine."""
+    for name, tensor in [*root.named_parameters(), *root.named_buffers()]:
+        if tensor.is_meta:
+            raise ValueError(f"{type(root).__name__} has weights on the meta device ({name or 'a parameter'}): it "
+                             f"was built empty or is offloaded by accelerate (sequential CPU offload); load its "
+                             f"weights, or use model CPU offload, before patching")
+    for name, module in root.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        if hook is not None and (getattr(hook, "offload", False) or getattr(hook, "weights_map", None) is not None
+                                 or any(getattr(h, "offload", False) for h in getattr(hook, "hooks", ()))):
+            raise ValueError(f"{type(root).__name__} is offloaded by accelerate hooks ({name or 'the model'} loads "
+                             f"its weights at each call); use model CPU offload, or none, before patching")
+
+
+def _nothing_to_patch(root: nn.Module) -> ValueError:
+    dit = diffusion_transformer_name(root)
+    if dit is not None:
+        return ValueError(f"model {type(root).__name__} is a diffusion transformer ({dit}: DiT, PixArt, SD3, Flux "
+                          f"and similar have no U-Net), so there is nothing to patch: token merging patches U-Nets "
+                          f"(SD 1.x, SD 2.x, SDXL) only")
+    return ValueError(f"model {type(root).__name__} has no transformer blocks to merge: the engine patches ldm/sgm "
+                      f"U-Nets (SpatialTransformer) and diffusers U-Nets (Transformer2DModel) with "
+                      f"BasicTransformerBlocks")
 
 
 class TokenMergePatch:
@@ -132,7 +147,8 @@ class TokenMergePatch:
         self.selected: list[_BlockRecord] = []
         # The local method's plans: this U-Net call's, by level; and those kept for reuse across sampling
         # evaluations, by (level, call slot within the evaluation, h, w). See ``_begin_local_call``.
-        self._has_call_hook = hasattr(root, "input_blocks")
+        self.family = family_of(root) or LDM
+        self._has_call_hook = self.family.is_unet(root)
         self._level_plans: dict[int, LocalPlan | None] = {}
         self._kept_plans: dict[tuple, LocalPlan | None] = {}
         self._evaluation = -1
@@ -140,17 +156,15 @@ class TokenMergePatch:
         self._last_progress: float | None = None
         self._fresh = True
 
-        layout = transformer_levels(root)
+        layout = self.family.transformer_levels(root)
         blocks = [(tname, t, level, i, blk) for tname, t, level in layout
                   for i, blk in enumerate(t.transformer_blocks) if _is_block(blk)]
         if not blocks:
-            raise ValueError(f"model {type(root).__name__} has no ldm/sgm transformer blocks "
-                             f"(SpatialTransformer with BasicTransformerBlocks); SD3/MMDiT and Flux models have "
-                             f"no U-Net and cannot be patched")
+            raise _nothing_to_patch(root)
         # Each selected block's record, grouped by the transformer whose input tells its grid.
         self._grid_sources: dict[int, tuple[nn.Module, list[_BlockRecord]]] = {}
         for index, (tname, t, level, i, blk) in enumerate(blocks):
-            self.records.append(_BlockRecord(f"{tname}.transformer_blocks.{i}", index, level, blk))
+            self.records.append(_BlockRecord(f"{tname}.transformer_blocks.{i}", index, level, blk, self.family))
         levels = sorted({r.level for r in self.records})
         if options.max_downsample is None:
             wanted = {levels[0]}
@@ -168,10 +182,11 @@ class TokenMergePatch:
         o = self.options
         seed = DEFAULT_SEED if o.seed is None else o.seed
         hook = self._hook
-        if hasattr(self.root, "input_blocks"):
+        family = self.family
+        if self._has_call_hook:
             hook(self.root.register_forward_pre_hook(self._record_timestep, with_kwargs=True))
         for t, recs in self._grid_sources.values():
-            hook(t.register_forward_pre_hook(_grid_recorder(recs), with_kwargs=True))
+            hook(t.register_forward_pre_hook(_grid_recorder(recs, family.tokens_keyword), with_kwargs=True))
         if o.method == "local" and self._has_call_hook:
             hook(self.root.register_forward_pre_hook(self._begin_local_call, with_kwargs=True))
         for rec in self.selected:
@@ -184,7 +199,7 @@ class TokenMergePatch:
                 continue
             for wanted, sub, self_attention in ((o.merge_attn, blk.attn1, rec.self_attention),
                                                 (o.merge_crossattn, blk.attn2, False), (o.merge_mlp, blk.ff, False)):
-                if wanted:
+                if wanted and isinstance(sub, nn.Module):  # diffusers blocks without text have attn2 None
                     merged_calls: list[bool] = []  # this module's calls under way: merged or not
                     hook(sub.register_forward_pre_hook(_merger(self, rec, self_attention, merged_calls),
                                                        with_kwargs=True))
@@ -206,7 +221,7 @@ class TokenMergePatch:
     # -- per call -----------------------------------------------------------------------------------------
 
     def _record_timestep(self, module, args, kwargs):
-        self.timestep = args[1] if len(args) > 1 else kwargs.get("timesteps")
+        self.timestep = _slot(args, kwargs, *self.family.timestep_slot)
         self._tbits = None
         self._partitions.clear()
 
@@ -327,9 +342,9 @@ def _first_arg(args, kwargs, name):
     return args[0] if args else kwargs.get(name)
 
 
-def _grid_recorder(recs: list[_BlockRecord]):
+def _grid_recorder(recs: list[_BlockRecord], keyword: str):
     def hook(module, args, kwargs):
-        x = _first_arg(args, kwargs, "x")
+        x = _first_arg(args, kwargs, keyword)
         grid = (int(x.shape[-2]), int(x.shape[-1])) if isinstance(x, torch.Tensor) and x.dim() == 4 else None
         for rec in recs:
             rec.grid = grid
@@ -337,8 +352,10 @@ def _grid_recorder(recs: list[_BlockRecord]):
 
 
 def _plan_maker(patch: TokenMergePatch, rec: _BlockRecord):
+    keyword = patch.family.tokens_keyword
+
     def hook(module, args, kwargs):
-        x = _first_arg(args, kwargs, "x")
+        x = _first_arg(args, kwargs, keyword)
         rec.plan = patch.make_plan(rec, x)
         rec.used = False
         if rec.plan is not None:
@@ -360,20 +377,14 @@ def _fits(rec: _BlockRecord, x) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[0], x.shape[1]) == rec.layout
 
 
-def _merged_arguments(merge, args, kwargs, x: torch.Tensor, self_attention: bool):
+def _merged_arguments(merge, args, kwargs, x: torch.Tensor, self_attention: bool, family: Family):
     """The call's arguments with ``x`` merged, and with it self-attention's explicit key/value sources."""
     done = {id(x): merge(x)}
     args, kwargs = list(args), dict(kwargs)
-    _set_slot(args, kwargs, 0, "x", done[id(x)])
+    _set_slot(args, kwargs, 0, family.tokens_keyword, done[id(x)])
     if self_attention:
-        _map_kv_sources(args, kwargs, x, merge, done)
+        _map_kv_sources(args, kwargs, x, merge, done, family.kv_slots)
     return tuple(args), kwargs
-
-
-# Where the keys' and values' source of an attention call can be: ldm and sgm call self-attention with
-# context None (keys and values come from x); Forge passes ``context=`` and ``value=`` explicitly as soon as
-# any attn1 patch is set (its own token merging, other extensions), usually the very tensor given as x.
-_KV_SLOTS = ((1, "context"), (None, "value"))  # (position, keyword); value is keyword-only (Forge's)
 
 
 def _slot(args, kwargs, index: int | None, name: str):
@@ -393,11 +404,12 @@ def _per_token(t, x: torch.Tensor) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] == x.shape[:2]
 
 
-def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict) -> None:
+def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict, slots: tuple) -> None:
     """Apply ``fn`` in place to each explicitly passed key/value source that has one row per token of ``x``;
     ``done`` maps ids of tensors already mapped (Forge passes the same tensor as x, context and value).
-    Sources of another length (text, extra reference tokens) stay as they are."""
-    for index, name in _KV_SLOTS:
+    Sources of another length (text, extra reference tokens) stay as they are. ``slots``: the family's
+    ``kv_slots``."""
+    for index, name in slots:
         t = _slot(args, kwargs, index, name)
         if not _per_token(t, x):
             continue
@@ -407,12 +419,14 @@ def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict) -
 
 
 def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, merged_calls: list[bool]):
+    family = patch.family
+
     def hook(module, args, kwargs):
         plan = rec.plan
         if plan is None or plan is _TODO:
             merged_calls.append(False)
             return None
-        x = _first_arg(args, kwargs, "x")
+        x = _first_arg(args, kwargs, family.tokens_keyword)
         if not (isinstance(x, torch.Tensor) and plan.fits(x)):
             # Called on rows or tokens the plan was not made for (ControlNet's reference mode attends with the
             # unconditional rows alone, HyperTile tiles the tokens): exact attention on that input.
@@ -421,7 +435,7 @@ def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, mer
             return None
         rec.used = True
         merged_calls.append(True)
-        return _merged_arguments(plan.merge, args, kwargs, x, self_attention)
+        return _merged_arguments(plan.merge, args, kwargs, x, self_attention, family)
     return hook
 
 
@@ -438,11 +452,14 @@ def _unmerger(rec: _BlockRecord, merged_calls: list[bool]):
 def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions):
     """Self-attention's keys and values from fewer tokens, queries whole: ToDo's downsampled grid, or the
     tokens the local plan keeps."""
+    family = patch.family
+    kv_source = family.kv_slots[0]
+
     def hook(module, args, kwargs):
         plan = rec.plan
         if plan is None or not rec.self_attention:
             return None
-        x = _first_arg(args, kwargs, "x")
+        x = _first_arg(args, kwargs, family.tokens_keyword)
         if not _fits(rec, x) or (plan is not _TODO and not plan.fits(x)):
             # See _merger: exact attention on an input the block's plan does not describe.
             patch.unmerged_calls += 1
@@ -456,10 +473,10 @@ def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions
             return downsample_tokens(t, h, w, options.todo_factor, options.todo_pool)
 
         args, kwargs = list(args), dict(kwargs)
-        if _slot(args, kwargs, *_KV_SLOTS[0]) is None:  # keys and values would come from x itself
-            _set_slot(args, kwargs, *_KV_SLOTS[0], downsample(x))
+        if _slot(args, kwargs, *kv_source) is None:  # keys and values would come from x itself
+            _set_slot(args, kwargs, *kv_source, downsample(x))
         else:
-            _map_kv_sources(args, kwargs, x, downsample, {})
+            _map_kv_sources(args, kwargs, x, downsample, {}, family.kv_slots)
         return tuple(args), kwargs
     return hook
 
@@ -474,9 +491,11 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                 score_chunk_elements: int | None = None, local_replan: int = 1, **unknown: Any) -> Any:
     """Patch ``model`` in place for token merging (or downsampling) and return it.
 
-    ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), a U-Net, or any module tree holding
-    ldm/sgm ``SpatialTransformer``s. Calling it again replaces the settings. All options are validated before
-    the model is touched: on a ``TypeError``/``ValueError`` the model is left exactly as it was.
+    ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), an ldm/sgm U-Net, a diffusers
+    ``UNet2DConditionModel`` or a diffusers pipeline (anything with a ``.unet``: txt2img, img2img, inpaint,
+    ControlNet, SDXL base and refiner), or any module tree holding ldm ``SpatialTransformer``s or diffusers
+    ``Transformer2DModel``s. Calling it again replaces the settings. All options are validated before the
+    model is touched: on a ``TypeError``/``ValueError`` the model is left exactly as it was.
 
     Args mirror tomesd where the meaning is the same (``ratio`` … ``merge_mlp``), plus:
         max_downsample: None selects the highest-resolution attention level the model has (SDXL's is 2).
@@ -505,6 +524,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                            todo_pool=todo_pool, step_start=step_start, step_end=step_end,
                            score_chunk_elements=score_chunk_elements, local_replan=local_replan)
     root = resolve_unet(model)
+    check_loaded(root)
     patch = TokenMergePatch(root, options)  # raises before anything changes if there is nothing to patch
     remove_patch(root)
     try:

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(archs.ARCHS),
                     help="time these architectures with random weights (speed only) instead of the proxy")
     ap.add_argument("--checkpoint", default=None,
-                    help="a .safetensors/.ckpt SD 1.x/2.x/SDXL checkpoint with its VAE and text encoder: speed "
+                    help="a .safetensors/.ckpt SD 1.x/2.x/SDXL checkpoint with its VAE and text encoder, or a "
+                         "diffusers model folder (model_index.json; needs diffusers and transformers): speed "
                          "and fidelity on it (default: the shipped proxy model)")
     ap.add_argument("--proxy", nargs="+", default=None, metavar="WEIGHTS",
                     help="proxy models' weights made by 'python -m tome_core.bench.proxy train' (other seeds or "
@@ -206,7 +207,13 @@ def check_args(args: argparse.Namespace) -> None:
     if args.sheet:
         _check_output("--sheet", args.sheet, "the side-by-side image", "PIL", "pillow")
     if args.checkpoint is not None:
-        if not os.path.isfile(args.checkpoint):
+        if os.path.isdir(args.checkpoint):
+            from .diffusers_folder import INDEX, is_diffusers_folder
+
+            if not is_diffusers_folder(args.checkpoint):
+                raise UsageError(f"--checkpoint {args.checkpoint}: a folder without {INDEX} (give a diffusers "
+                                 f"model folder, or a .safetensors/.ckpt file)")
+        elif not os.path.isfile(args.checkpoint):
             raise UsageError(f"--checkpoint {args.checkpoint}: no such file")
         return  # its architecture, and so what sizes it can take, is known once it is read
     for arch in args.models or []:
@@ -235,7 +242,7 @@ def check_size_fits(size: int, model: str, level: int) -> None:
 def size_step(pipe: Pipeline) -> int:
     """Image sizes ``pipe`` can take are multiples of this: its downscale times the U-Net's total downsampling,
     so every skip connection meets a tensor of its own size, as the model was trained."""
-    downsamplings = sum(type(m).__name__ == "Downsample" for m in pipe.unet.modules())
+    downsamplings = sum(type(m).__name__ in ("Downsample", "Downsample2D") for m in pipe.unet.modules())
     return pipe.downscale * 2 ** downsamplings
 
 
@@ -304,8 +311,10 @@ def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     (``--proxy``'s, else the shipped ones); None when this build has no proxy. Raises ``CheckpointError`` or
     ``UsageError`` (one line) for a file that cannot be used."""
     if args.checkpoint is not None:
-        from . import checkpoint
+        from . import checkpoint, diffusers_folder
 
+        if diffusers_folder.is_diffusers_folder(args.checkpoint):
+            return diffusers_folder.load_pipeline(args.checkpoint, device, dtype, prediction=args.prediction)
         loader = getattr(checkpoint, "load_pipeline", None)
         if loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
             pipe = _unet_only_pipeline(args.checkpoint, device, dtype)

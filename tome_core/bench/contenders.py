@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import tome_core
+from tome_core.families import family_of
 from tome_core.patch import transformer_levels
 
 
@@ -48,6 +49,13 @@ class Wrapped(nn.Module):
         super().__init__()
         self.model = nn.Module()
         self.model.diffusion_model = unet
+
+
+def tomesd_target(model: nn.Module) -> nn.Module:
+    """What tomesd is to be given: a diffusers U-Net itself (tomesd tells diffusers models by their class, and
+    patches anything else as ldm), else the ``model.model.diffusion_model`` nesting."""
+    root = tome_core.resolve_unet(model)
+    return root if hasattr(root, "down_blocks") else model
 
 
 def tomesd_available() -> bool:
@@ -78,12 +86,15 @@ class IdealPatch:
         blocks = {id(rec.module) for rec in tome_core.get_patch(root).selected}
         tome_core.remove_patch(root)
         self.remove(model)
+        family = family_of(root)
+        self.tokens, self.kv_source = family.tokens_keyword, family.kv_slots[0]
         for _, transformer, _ in transformer_levels(root):
             selected = [blk for blk in transformer.transformer_blocks if id(blk) in blocks]
             if not selected:
                 continue
             grid: dict[str, tuple[int, int]] = {}
-            self._handles.append(transformer.register_forward_pre_hook(_grid_recorder(grid), with_kwargs=True))
+            self._handles.append(transformer.register_forward_pre_hook(_grid_recorder(grid, self.tokens),
+                                                                      with_kwargs=True))
             for blk in selected:
                 kept: dict[str, int] = {}
                 self._handles.append(blk.attn1.register_forward_pre_hook(self._shrinker(grid, kept),
@@ -109,9 +120,11 @@ class IdealPatch:
         return n if cells == 0 or r <= 0 else n - r
 
     def _shrinker(self, grid: dict, kept: dict):
+        position, keyword = self.kv_source
+
         def hook(module, args, kwargs):
-            x = args[0] if args else kwargs["x"]
-            context = args[1] if len(args) > 1 else kwargs.get("context")
+            x = args[0] if args else kwargs[self.tokens]
+            context = args[position] if len(args) > position else kwargs.get(keyword)
             kept.clear()
             if context is not None or "hw" not in grid:  # attn1 as cross-attention (disable_self_attn)
                 return None
@@ -121,18 +134,18 @@ class IdealPatch:
             if n != h * w or m == n:
                 return None
             if self.keys_only:  # context None here: by position when the caller passed it so, else by keyword
-                if len(args) > 1:
+                if len(args) > position:
                     return (args[0], x[:, :m]) + tuple(args[2:]), kwargs
-                return args, dict(kwargs, context=x[:, :m])
+                return args, dict(kwargs, **{keyword: x[:, :m]})
             kept["n"] = n
             x = x[:, :m]
-            return ((x,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, x=x))
+            return ((x,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, **{self.tokens: x}))
         return hook
 
 
-def _grid_recorder(grid: dict):
+def _grid_recorder(grid: dict, keyword: str = "x"):
     def hook(module, args, kwargs):
-        x = args[0] if args else kwargs["x"]
+        x = args[0] if args else kwargs[keyword]
         grid["hw"] = (int(x.shape[-2]), int(x.shape[-1]))
     return hook
 
@@ -187,11 +200,13 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
 
         for ratio in ratios:
             def apply_tomesd(m: nn.Module, r: float = ratio) -> None:
-                tomesd.apply_patch(m, ratio=r, max_downsample=tomesd_max_downsample, use_rand=use_rand)
+                tomesd.apply_patch(tomesd_target(m), ratio=r, max_downsample=tomesd_max_downsample,
+                                   use_rand=use_rand)
                 if tomesd_setup is not None:
                     tomesd_setup(m)
 
-            out.append(labelled("tomesd", f"{ratio:.2f}", apply_tomesd, tomesd.remove_patch, ideal_of(ratio)))
+            out.append(labelled("tomesd", f"{ratio:.2f}", apply_tomesd,
+                                lambda m: tomesd.remove_patch(tomesd_target(m)), ideal_of(ratio)))
     if with_ideal:
         for ratio in ratios:
             patch = IdealPatch(ratio, max_downsample)
