@@ -313,10 +313,10 @@ def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     if args.checkpoint is not None:
         from . import checkpoint, diffusers_folder
 
-        if diffusers_folder.is_diffusers_folder(args.checkpoint):
-            return diffusers_folder.load_pipeline(args.checkpoint, device, dtype, prediction=args.prediction)
         loader = getattr(checkpoint, "load_pipeline", None)
-        if loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
+        if diffusers_folder.is_diffusers_folder(args.checkpoint):
+            pipe = diffusers_folder.load_pipeline(args.checkpoint, device, dtype, prediction=args.prediction)
+        elif loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
             pipe = _unet_only_pipeline(args.checkpoint, device, dtype)
         else:
             pipe = loader(args.checkpoint, device, dtype, prediction=args.prediction)
