@@ -134,7 +134,7 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
     out = capsys.readouterr().out
     assert ("WARNING: the machine was busy" in out) == warned
     if not warned:
-        assert "| sd15 | 64 | none | – | 100.0 (0%) | 1.00x | – | – | – | 0 |" in out
+        assert "| sd15 | 64 | none | – | 100.0 (0%) | 1.00x | – | – | – | – | 0 |" in out
         assert "| sd15 | 64 | ToMe | 0.50 | 80.0 (0%) | 1.25x | 37% | – | – |" in out
         assert "| sd15 | 64 | ToDo | f=2 | 90.0 (0%) | 1.11x | – | – | – |" in out
         assert "| sd15 | 64 | Local | 0.50 | 70.0 (0%) | 1.43x | 80% | – | – |" in out  # of the KV ideal's 1.54x
