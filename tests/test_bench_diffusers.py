@@ -104,3 +104,21 @@ def test_folders_that_cannot_be_benchmarked_are_refused_in_one_line(tmp_path, ca
                                                          "unet": ["diffusers", "UNet2DConditionModel"]}))
     with pytest.raises(CheckpointError, match="diffusers could not load it"):
         diffusers_folder.load_pipeline(str(broken), torch.device("cpu"), torch.float32)
+
+
+def test_the_diffusers_architecture_has_sd15s_layout_and_is_patched_alike():
+    from tome_core.bench import archs
+
+    archs.use_webui_unet()
+    ldm, ldm_context = archs.build_unet("sd15", torch.device("cpu"), torch.float32, width=0.1)
+    ours, context = archs.build_unet("sd15-diffusers", torch.device("cpu"), torch.float32, width=0.1)
+    assert context == ldm_context == 768 and type(tome_core.resolve_unet(ours)).__name__ == "UNet2DConditionModel"
+    levels = lambda m: [lv for _, _, lv in tome_core.patch.transformer_levels(m)]  # noqa: E731
+    assert levels(ours) == levels(ldm) == [0, 0, 1, 1, 2, 2, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]
+    for model in (ldm, ours):
+        tome_core.apply_patch(model, ratio=0.5)
+        assert len(tome_core.get_patch(model).selected) == 5
+        tome_core.remove_patch(model)
+    x, t, text = torch.randn(1, 4, 16, 16), torch.tensor([500.0]), torch.randn(1, 7, 768)
+    with torch.no_grad():
+        assert ours(x, t, context=[text]).shape == (1, 4, 16, 16)  # ldm's per-depth list of contexts is taken

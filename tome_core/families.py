@@ -42,6 +42,9 @@ class Family:
             values come from when only one source is passed).
         timestep_slot: where the U-Net's forward takes the timestep.
         attends_to_image: whether a block's attn1 is self-attention on the image tokens.
+        bias_keyword: the keyword by which an attention call takes an additive bias on its logits, broadcast
+            over queries ((B, 1, keys)), or None when the family's attention has none (ldm's ``mask`` is
+            boolean, and the webui's attention kernels drop it): the engine then computes that call itself.
     """
 
     name: str
@@ -51,6 +54,7 @@ class Family:
     kv_slots: tuple[Slot, ...]
     timestep_slot: Slot
     attends_to_image: Callable[[nn.Module], bool]
+    bias_keyword: str | None = None
 
     def is_unet(self, root: nn.Module) -> bool:
         return self.stages(root) is not None
@@ -122,6 +126,9 @@ DIFFUSERS = Family(
     kv_slots=((1, "encoder_hidden_states"),),
     timestep_slot=(1, "timestep"),
     attends_to_image=lambda block: not getattr(block, "only_cross_attention", False),
+    # Every diffusers processor adds a float attention_mask to the logits (prepare_attention_mask repeats it
+    # per head; SDPA keeps its memory-efficient kernels for a bias broadcast over queries).
+    bias_keyword="attention_mask",
 )
 
 FAMILIES = (LDM, DIFFUSERS)

@@ -82,12 +82,14 @@ class LocalPlan:
             the flattened (B·N, C) input (rows of batch row b stay in b's block).
     """
 
-    __slots__ = ("keep_index", "batch", "tokens", "merged_tokens", "device")
+    __slots__ = ("keep_index", "batch", "tokens", "merged_tokens", "device", "sizes")
 
-    def __init__(self, keep_index: torch.Tensor, batch: int, tokens: int, merged_tokens: int) -> None:
+    def __init__(self, keep_index: torch.Tensor, batch: int, tokens: int, merged_tokens: int,
+                 sizes: torch.Tensor | None = None) -> None:
         self.keep_index = keep_index
         self.batch, self.tokens, self.merged_tokens = batch, tokens, merged_tokens
         self.device = keep_index.device
+        self.sizes = sizes  # (B·M,) float32: the tokens each kept row stands for
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` (B, N, ·) has the batch rows and tokens this plan was made for."""
@@ -99,19 +101,26 @@ class LocalPlan:
         b, n, c = x.shape
         return x.reshape(b * n, c).index_select(0, self.keep_index).view(b, self.merged_tokens, c)
 
+    def key_log_sizes(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, M) log of the tokens each kept row stands for (its group's size), for size-weighted keys."""
+        return self.sizes.to(dtype).log().view(self.batch, self.merged_tokens)
 
-def _candidate_tables() -> tuple[torch.Tensor, torch.Tensor]:
+
+def _candidate_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per candidate grouping, on the CPU: the first member of each of its groups, in slots 0..3 (11, 4)
-    (slots beyond the candidate's group count are zeros, never read); and the incidence (16, 11) of the
-    4×4 cosine matrix's entries (row 4·i + j: locals i, j) in its score."""
+    (slots beyond the candidate's group count are zeros, never read); the incidence (16, 11) of the
+    4×4 cosine matrix's entries (row 4·i + j: locals i, j) in its score; and each slot's group size (11, 4)
+    (1 beyond the group count)."""
     first = torch.zeros(NUM_CANDIDATES, 4, dtype=torch.long)
     incidence = torch.zeros(16, NUM_CANDIDATES, dtype=torch.float32)
+    sizes = torch.ones(NUM_CANDIDATES, 4, dtype=torch.float32)
     for c, (_, groups) in enumerate(CANDIDATES):
         for s, g in enumerate(groups):
             first[c, s] = g[0]
+            sizes[c, s] = len(g)
             if len(g) == 2:
                 incidence[g[0] * 4 + g[1], c] = 1.0
-    return first, incidence
+    return first, incidence, sizes
 
 
 # Few entries: one plan's tables are O(B·N) integers (about 1 MB for SD 1.5's top level at 1024 px, batch 2),
@@ -158,7 +167,7 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
     merged = int(kept.sum()) + e
     real = torch.arange(4)[None, :] < kept[:, None]  # (W, 4)
 
-    first, incidence = _candidate_tables()
+    first, incidence, group_sizes = _candidate_tables()
     candidate_merges = torch.tensor([q for q, _ in CANDIDATES])
     allowed = torch.tensor([q != 1 or SINGLE_MERGE_PAIR in groups for q, groups in CANDIDATES])
     penalty = torch.where((candidate_merges[None, :] == counts[:, None]) & allowed[None, :], 0.0, -1e4)
@@ -170,6 +179,9 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
     # (B·W, 11, 4): rows of window (b, j) at the first members of candidate c's groups.
     first_rows = window_rows[:, None, :].expand(-1, NUM_CANDIDATES, -1).gather(
         2, first[None].expand(batch * windows, -1, -1))
+    # (B·W·11, 4) the same candidates' group sizes, and the edges' (one token each).
+    first_sizes = group_sizes[None].expand(batch * windows, -1, -1).reshape(batch * windows * NUM_CANDIDATES, 4)
+    edge_sizes = torch.ones(batch * e)
     edge_rows = (b[:, None] * n + edges[None, :]).reshape(-1)
     real_slots = torch.nonzero(real.reshape(-1)).reshape(-1)  # positions j·4 + s of the real slots
     keep_pick = torch.cat([b[:, None] * (windows * 4) + real_slots[None, :],
@@ -180,21 +192,26 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
 
     # When no window has a choice (only one and three merges: ratios up to 0.25, and 0.75), the plan does not
     # depend on the features: it is made here once, and a U-Net call spends no operation on it.
-    fixed_keep = None
+    fixed_keep = fixed_sizes = None
     if bool(((penalty == 0).sum(-1) == 1).all()):
         key = penalty.argmax(-1) + bj * NUM_CANDIDATES
         picked = torch.cat([first_rows.reshape(-1, 4)[key].reshape(-1), edge_rows])
         fixed_keep = put(picked[keep_pick])
+        fixed_sizes = torch.cat([first_sizes[key].reshape(-1), edge_sizes])[keep_pick].to(device)
 
-    return dict(merged=merged, fixed_keep=fixed_keep, window_rows=put(window_rows.reshape(-1)),
+    return dict(merged=merged, fixed_keep=fixed_keep, fixed_sizes=fixed_sizes,
+                first_sizes=first_sizes.to(device), edge_sizes=edge_sizes.to(device) if e else None,
+                window_rows=put(window_rows.reshape(-1)),
                 incidence=incidence.to(device), penalty=penalty.to(device),
                 candidate_offset=put(bj * NUM_CANDIDATES),
                 first_rows=put(first_rows.reshape(batch * windows * NUM_CANDIDATES, 4)),
                 edge_rows=put(edge_rows) if e else None, keep_pick=put(keep_pick))
 
 
-def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dtype) -> LocalPlan | None:
-    """The local plan of tokens ``metric`` (B, h·w, C) on an h×w grid, or None when nothing merges.
+def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dtype,
+               with_sizes: bool = False) -> LocalPlan | None:
+    """The local plan of tokens ``metric`` (B, h·w, C) on an h×w grid, or None when nothing merges; with
+    ``with_sizes``, the plan also knows each kept row's group size (for size-weighted keys).
 
     Similarity is the cosine of the rows of ``metric`` (the first patched block's input), computed in at
     least float32. Per batch row and window, the candidate grouping with the window's merge count whose
@@ -208,7 +225,7 @@ def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
     if layout is None:
         return None
     if layout["fixed_keep"] is not None:
-        return LocalPlan(layout["fixed_keep"], batch, tokens, layout["merged"])
+        return LocalPlan(layout["fixed_keep"], batch, tokens, layout["merged"], layout["fixed_sizes"])
     # About a dozen dispatched operations whatever the size, once per level and call: on a GPU each costs
     # host time the step may wait on, so everything that does not depend on the features is a table made
     # beforehand, and the chosen candidate indexes those tables directly.
@@ -226,7 +243,13 @@ def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
         if layout["edge_rows"] is not None:
             picked = torch.cat([picked, layout["edge_rows"]])
         keep_index = picked.index_select(0, layout["keep_pick"])
-    return LocalPlan(keep_index, batch, tokens, layout["merged"])
+        sizes = None
+        if with_sizes:
+            sizes = layout["first_sizes"].index_select(0, key).view(-1)
+            if layout["edge_sizes"] is not None:
+                sizes = torch.cat([sizes, layout["edge_sizes"]])
+            sizes = sizes.index_select(0, layout["keep_pick"])
+    return LocalPlan(keep_index, batch, tokens, layout["merged"], sizes)
 
 
 def reference_keep(x: torch.Tensor, h: int, w: int, ratio: float) -> torch.Tensor:

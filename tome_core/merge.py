@@ -46,6 +46,11 @@ class MergePlan:
         counts = self.counts if self.counts.dtype == x.dtype else self.counts.to(x.dtype)
         return (summed / counts).view(b, self.merged_tokens, c)
 
+    def key_log_sizes(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, N - r) log of the tokens each merged row stands for: added to its logit as a key, it weighs the
+        row in softmax as if its tokens were there one by one (proportional attention)."""
+        return self.counts.to(dtype).log().view(self.batch, self.merged_tokens)
+
     def unmerge(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N - r, C) -> (B, N, C): every merged source takes its destination's value."""
         b, m, c = x.shape

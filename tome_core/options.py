@@ -84,6 +84,7 @@ class MergeOptions:
     step_end: float = 1.0
     score_chunk_elements: int | None = None
     local_replan: int = 1
+    size_weighted_keys: bool = False
 
     def __post_init__(self) -> None:
         check_number("ratio", self.ratio, 0.0, 1.0, high_inclusive=False)
@@ -91,7 +92,7 @@ class MergeOptions:
             check_choice("max_downsample", self.max_downsample, (None,) + MAX_DOWNSAMPLES)
         check_number("sx", self.sx, 1, MAX_STRIDE, integer=True)
         check_number("sy", self.sy, 1, MAX_STRIDE, integer=True)
-        for flag in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+        for flag in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "size_weighted_keys"):
             check_bool(flag, getattr(self, flag))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"seed must be an integer or None, got {self.seed!r} ({type(self.seed).__name__})")

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .families import LDM, Family, diffusion_transformer_name, family_of
@@ -37,7 +38,7 @@ _TODO = object()  # plan marker: this block call downsamples keys/values on the 
 
 class _BlockRecord:
     __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key", "row", "layout",
-                 "used")
+                 "used", "key_bias")
 
     def __init__(self, name: str, index: int, level: int, module: nn.Module, family: Family) -> None:
         self.name, self.index, self.level, self.module = name, index, level, module
@@ -48,6 +49,8 @@ class _BlockRecord:
         # subset of the batch, tiled tokens) runs as it would unpatched.
         self.layout: tuple[int, int] = (0, 0)
         self.used = False  # the plan reached at least one attention or MLP call of this block call
+        # Size-weighted keys, where the family's attention takes no bias: (B, M) for attn1's call under way.
+        self.key_bias: torch.Tensor | None = None
         self.key = 0
         self.row = 0  # its place among the selected blocks: its row of a call's random partitions
 
@@ -58,7 +61,9 @@ def _is_block(module: nn.Module) -> bool:
 
 def transformer_levels(root: nn.Module) -> list[tuple[str, nn.Module, int]]:
     """Every transformer (ldm ``SpatialTransformer``, diffusers ``Transformer2DModel``) under ``root`` with its
-    downsampling level (0 = latent resolution), in call order; see ``Family.transformer_levels``."""
+    downsampling level (0 = latent resolution), in call order; see ``Family.transformer_levels``. A wrapper
+    (``model.model.diffusion_model``, ``model.diffusion_model``) stands for what it wraps (``resolve_unet``)."""
+    root = resolve_unet(root)
     family = family_of(root)
     return family.transformer_levels(root) if family is not None else []
 
@@ -138,6 +143,7 @@ class TokenMergePatch:
         self._partitions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._handles: list = []
+        self._own_attention: list[nn.Module] = []  # attn1 modules whose forward this patch computes itself
         # Block calls whose plan no attention call could use, and attention calls run unmerged because their
         # input was not laid out as the plan's (other extensions reshaping or splitting the tokens, an attn1
         # replacement): the host tells the user once per job.
@@ -194,6 +200,9 @@ class TokenMergePatch:
             blk = rec.module
             hook(blk.register_forward_pre_hook(_plan_maker(self, rec), with_kwargs=True))
             hook(blk.register_forward_hook(_plan_dropper(self, rec)))
+            if self.weighs_keys and rec.self_attention and family.bias_keyword is None:
+                blk.attn1.forward = _BiasedAttention(blk.attn1, rec)
+                self._own_attention.append(blk.attn1)
             if o.method in ("todo", "local"):
                 hook(blk.attn1.register_forward_pre_hook(_kv_reducer(self, rec, o), with_kwargs=True))
                 continue
@@ -208,10 +217,20 @@ class TokenMergePatch:
     def _hook(self, handle) -> None:
         self._handles.append(handle)
 
+    @property
+    def weighs_keys(self) -> bool:
+        """Size-weighted keys are on, for a method whose keys stand for groups of unequal size (ToDo's all
+        stand for f² tokens: the same log added to every logit changes nothing)."""
+        return self.options.size_weighted_keys and self.options.method in ("tome", "local")
+
     def uninstall(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in self._own_attention:
+            if isinstance(module.__dict__.get("forward"), _BiasedAttention):
+                del module.forward
+        self._own_attention.clear()
         for rec in self.records:
             rec.plan = None
             rec.grid = None
@@ -285,8 +304,9 @@ class TokenMergePatch:
         if x.shape[1] != h * w:
             return None
         idt = o.index_dtype or default_index_dtype(x.device)
+        sizes = self.weighs_keys
         if not self._has_call_hook:  # a lone transformer: no call boundary to share a plan within
-            return plan_local(x, h, w, o.ratio, idt)
+            return plan_local(x, h, w, o.ratio, idt, sizes)
         if rec.level in self._level_plans:
             plan = self._level_plans[rec.level]
             return plan if plan is not None and plan.fits(x) else None
@@ -296,7 +316,7 @@ class TokenMergePatch:
             kept = self._kept_plans.get(key)
             plan = kept if kept is not None and kept.fits(x) else None
         if plan is None:
-            plan = plan_local(x, h, w, o.ratio, idt)
+            plan = plan_local(x, h, w, o.ratio, idt, sizes)
             if self._call_slot is not None:
                 self._kept_plans[key] = plan
         self._level_plans[rec.level] = plan
@@ -435,7 +455,10 @@ def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, mer
             return None
         rec.used = True
         merged_calls.append(True)
-        return _merged_arguments(plan.merge, args, kwargs, x, self_attention, family)
+        args, kwargs = _merged_arguments(plan.merge, args, kwargs, x, self_attention, family)
+        if self_attention and patch.weighs_keys:
+            _add_key_bias(family, rec, kwargs, plan.key_log_sizes(x.dtype))
+        return args, kwargs
     return hook
 
 
@@ -477,8 +500,48 @@ def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions
             _set_slot(args, kwargs, *kv_source, downsample(x))
         else:
             _map_kv_sources(args, kwargs, x, downsample, {}, family.kv_slots)
+        if plan is not _TODO and patch.weighs_keys:
+            _add_key_bias(family, rec, kwargs, plan.key_log_sizes(x.dtype))
         return tuple(args), kwargs
     return hook
+
+
+def _add_key_bias(family: Family, rec: _BlockRecord, kwargs: dict, log_sizes: torch.Tensor) -> None:
+    """Hand self-attention's call the log of the tokens each key stands for (B, M), added to every query's
+    logit for that key: the family's bias argument (B, 1, M), where its attention takes one and the caller
+    passed none; else the record, which ``_BiasedAttention`` reads."""
+    if family.bias_keyword is None:
+        rec.key_bias = log_sizes
+    elif kwargs.get(family.bias_keyword) is None:
+        kwargs[family.bias_keyword] = log_sizes[:, None, :]
+
+
+class _BiasedAttention:
+    """attn1's forward for size-weighted keys where the family's attention takes no additive bias (ldm/sgm
+    ``CrossAttention``, whose ``mask`` is boolean and which the webui's attention optimisations replace):
+    with a bias pending for this call, the module's own projections around PyTorch's scaled-dot-product
+    attention with that bias broadcast over queries; without one, the module's class forward as it is now
+    (the webui's optimised one), untouched."""
+
+    def __init__(self, module: nn.Module, rec: _BlockRecord) -> None:
+        self.module, self.rec = module, rec
+
+    def __call__(self, *args, **kwargs):
+        bias, self.rec.key_bias = self.rec.key_bias, None
+        m = self.module
+        if bias is None or _slot(args, kwargs, 2, "mask") is not None:
+            return type(m).forward(m, *args, **kwargs)
+        x = _first_arg(args, kwargs, "x")
+        keys = _slot(args, kwargs, *LDM.kv_slots[0])
+        keys = x if keys is None else keys
+        values = kwargs.get("value")
+        values = keys if values is None else values
+        q, k, v = m.to_q(x), m.to_k(keys), m.to_v(values)
+        b, n, inner = q.shape
+        heads = m.heads
+        q, k, v = (t.reshape(b, t.shape[1], heads, inner // heads).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None, :].to(q.dtype))
+        return m.to_out(out.transpose(1, 2).reshape(b, n, inner))
 
 
 # -- public API -----------------------------------------------------------------------------------------------
@@ -488,7 +551,8 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                 merge_mlp: bool = False, seed: int | None = None, index_dtype: torch.dtype | None = None,
                 method: str = "tome", todo_factor: int = 2, todo_pool: str = "nearest",
                 step_start: float = 0.0, step_end: float = 1.0,
-                score_chunk_elements: int | None = None, local_replan: int = 1, **unknown: Any) -> Any:
+                score_chunk_elements: int | None = None, local_replan: int = 1, size_weighted_keys: bool = False,
+                **unknown: Any) -> Any:
     """Patch ``model`` in place for token merging (or downsampling) and return it.
 
     ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), an ldm/sgm U-Net, a diffusers
@@ -513,6 +577,10 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             (None: 4 Mi on the CPU, 64 Mi on accelerators).
         local_replan: the local method makes fresh plans every this many sampling evaluations and reuses
             them in between (1: every evaluation). Reuse needs the progress ``set_progress`` reports.
+        size_weighted_keys: ToMe and Local: a self-attention key that stands for k tokens (a merged group)
+            adds log k to its logit, as if its tokens were keys one by one (proportional attention, ToMe for
+            ViTs). Off: the paper's ToMe for SD (and tomesd's outputs). ToDo ignores it (its keys all stand
+            for f² tokens).
     """
     if unknown:
         allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
@@ -522,7 +590,8 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                            merge_attn=merge_attn, merge_crossattn=merge_crossattn, merge_mlp=merge_mlp,
                            seed=seed, index_dtype=index_dtype, method=method, todo_factor=todo_factor,
                            todo_pool=todo_pool, step_start=step_start, step_end=step_end,
-                           score_chunk_elements=score_chunk_elements, local_replan=local_replan)
+                           score_chunk_elements=score_chunk_elements, local_replan=local_replan,
+                           size_weighted_keys=size_weighted_keys)
     root = resolve_unet(model)
     check_loaded(root)
     patch = TokenMergePatch(root, options)  # raises before anything changes if there is nothing to patch

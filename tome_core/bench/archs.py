@@ -28,6 +28,11 @@ ARCHS = {
                 depths={0: 1, 1: 1, 2: 1, 3: 1}),
     "sdxl": dict(model_channels=320, channel_mult=[1, 2, 4], attention_resolutions=[4, 2], num_head_channels=64,
                  context_dim=2048, use_linear_in_transformer=True, depths={1: 2, 2: 10}),
+    # SD 1.5 as diffusers builds it (UNet2DConditionModel, its own SDPA processor): the same layout as sd15,
+    # so the two side by side show what each family's hooks cost.
+    "sd15-diffusers": dict(model_channels=320, channel_mult=[1, 2, 4, 4], attention_resolutions=[4, 2, 1],
+                           num_heads=8, context_dim=768, use_linear_in_transformer=False,
+                           depths={0: 1, 1: 1, 2: 1, 3: 1}, diffusers=True),
 }
 GROUPNORM_GROUPS = 32
 
@@ -155,9 +160,11 @@ def build_unet(arch: str, device: torch.device, dtype: torch.dtype, width: float
 
     It takes latents (B, 4, H/8, W/8), timesteps (B,) and a context (B, 77, context width) per transformer depth.
     """
+    cfg = dict(ARCHS[arch])
+    if cfg.pop("diffusers", False):
+        return build_diffusers_unet(cfg, device, dtype, width)
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
-    cfg = dict(ARCHS[arch])
     depths = cfg.pop("depths")
     cfg["model_channels"] = scaled_channels(cfg["model_channels"], width)
     if "num_head_channels" in cfg:
@@ -174,6 +181,30 @@ def build_unet(arch: str, device: torch.device, dtype: torch.dtype, width: float
             if ".proj_out." in name or name.startswith("out."):
                 p.normal_(0, 0.02)
     return in_run_dtype(unet, device, dtype), context_dim
+
+
+def build_diffusers_unet(cfg: dict, device: torch.device, dtype: torch.dtype, width: float = 1.0
+                         ) -> tuple[nn.Module, int]:
+    """``cfg`` (an ``ARCHS`` entry of ldm's arguments) built as a random-weight diffusers
+    ``UNet2DConditionModel``, behind the adapter that calls it as ldm's U-Net is called; and its context width."""
+    try:
+        from diffusers import UNet2DConditionModel
+    except ImportError:
+        raise SystemExit("the -diffusers architectures need diffusers: pip install diffusers") from None
+    from .diffusers_folder import DiffusersCall
+
+    channels = scaled_channels(cfg["model_channels"], width)
+    widths = [channels * m for m in cfg["channel_mult"]]
+    attention = [2 ** i in cfg["attention_resolutions"] for i in range(len(widths))]
+    down = [("CrossAttnDownBlock2D" if a else "DownBlock2D") for a in attention]
+    torch.manual_seed(0)
+    with torch.device(device):
+        unet = UNet2DConditionModel(block_out_channels=widths, down_block_types=down,
+                                    up_block_types=[b.replace("Down", "Up") for b in reversed(down)],
+                                    layers_per_block=2, attention_head_dim=cfg["num_heads"],
+                                    cross_attention_dim=cfg["context_dim"],
+                                    use_linear_projection=cfg["use_linear_in_transformer"])
+    return DiffusersCall(unet.to(device=device, dtype=dtype).eval()), cfg["context_dim"]
 
 
 def in_run_dtype(unet: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

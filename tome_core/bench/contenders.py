@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import tome_core
-from tome_core.families import family_of
+from tome_core.families import DIFFUSERS, family_of
 from tome_core.patch import transformer_levels
 
 
@@ -55,7 +55,7 @@ def tomesd_target(model: nn.Module) -> nn.Module:
     """What tomesd is to be given: a diffusers U-Net itself (tomesd tells diffusers models by their class, and
     patches anything else as ldm), else the ``model.model.diffusion_model`` nesting."""
     root = tome_core.resolve_unet(model)
-    return root if hasattr(root, "down_blocks") else model
+    return root if family_of(root) is DIFFUSERS else model
 
 
 def tomesd_available() -> bool:

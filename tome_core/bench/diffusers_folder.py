@@ -42,6 +42,8 @@ class DiffusersCall(nn.Module):
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor | None = None,
                 y: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(context, (list, tuple)):  # ldm's per-depth contexts: diffusers takes one for all blocks
+            context = context[0]
         kwargs = {}
         if self.pooled is not None:
             b, h, w = x.shape[0], x.shape[-2] * self.downscale, x.shape[-1] * self.downscale

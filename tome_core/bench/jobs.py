@@ -177,8 +177,13 @@ def bench_block(args: argparse.Namespace, setup: Setup) -> list[Case]:
 
             racers = racers_for(args, 8, tell_tomesd_the_grid)
             ops: dict[str, float | None] = {}
-            ms = race(f"block {arch} {size} px", wrapped, lambda: transformer(x, context=ctx), racers, setup,
-                      max(args.repeats, CHEAP_ROUNDS), ops=ops)
+            if hasattr(transformer, "is_input_continuous"):  # a diffusers Transformer2DModel
+                text = ctx[0] if isinstance(ctx, list) else ctx  # one context for all its blocks, not one each
+                call = lambda: transformer(x, encoder_hidden_states=text).sample  # noqa: E731
+            else:
+                call = lambda: transformer(x, context=ctx)  # noqa: E731
+            ms = race(f"block {arch} {size} px", wrapped, call, racers, setup, max(args.repeats, CHEAP_ROUNDS),
+                      ops=ops)
             cases.append(Case(arch, size, entries(racers), ms, None, ops))
     return cases
 
