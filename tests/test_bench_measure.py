@@ -359,3 +359,21 @@ def test_any_multiple_of_8_px_runs_as_in_the_webui(webui_unet, latent):
 def test_top_grid_rounds_up_as_strided_convolutions_do():
     assert [archs.top_grid(px, 1) for px in (16, 24, 72, 1024)] == [1, 2, 5, 64]
     assert archs.top_grid(520, 0) == 65 and math.ceil(65 / 2) == archs.top_grid(520, 1)
+
+
+def test_size_weighted_contenders_join_the_roster_only_when_asked():
+    plain = roster([0.5], [2], with_tomesd=False)
+    weighted = roster([0.5], [2], with_tomesd=False, with_size_weighted=True)
+    added = [c for c in weighted if c.name not in {p.name for p in plain}]
+    assert [(c.name, c.method, c.ideal) for c in added] == [("ToMe +sw 0.50", "ToMe +sw", "ideal 0.50"),
+                                                            ("Local +sw 0.50", "Local +sw", "ideal KV 0.50")]
+    assert jobs.roster_size(1, 1, False, True, True) == len(weighted)
+    unet = tiny_unet("sd1")
+    wrapped = Wrapped(unet)
+    for racer in added:
+        racer.apply(wrapped)
+        try:
+            assert tome_core.get_patch(unet).options.size_weighted_keys
+        finally:
+            racer.remove(wrapped)
+        assert not tome_core.is_patched(unet)

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "transformer, the merge overhead probe, the peak-memory probe")
     ap.add_argument("--memory-size", type=int, default=2048,
                     help="px for the peak-memory probe of one top block (0: skip it)")
+    ap.add_argument("--size-weighted", action="store_true",
+                    help="also race ToMe and Local with size-weighted keys (\"ToMe +sw\", \"Local +sw\": a key "
+                         "that stands for k tokens adds log k to its attention logit) at each ratio")
     ap.add_argument("--no-tomesd", action="store_true", help="leave tomesd out even when installed")
     ap.add_argument("--no-ideal", action="store_true", help="leave the ideal out")
     ap.add_argument("--plot", default=None,
@@ -453,9 +456,9 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
 
     labels = [label for label, _ in pipes]
     pipe = pipes[0][1]
-    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted)
     racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
-                              "tomesd" in names, "ideal" in names)
+                              "tomesd" in names, "ideal" in names, args.size_weighted)
     print(f"# ToMe benchmark: {pipe.name}, {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP "
           f"attention, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, methods: "
           f"{', '.join(names)}")
@@ -563,14 +566,14 @@ def run_architectures(args: argparse.Namespace, device: torch.device, dtype: tor
     """The webui's architectures with random weights: speed only."""
     if args.sizes is None:
         args.sizes = [512, 768] if device.type == "cpu" else [512, 768, 1024]
-    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted)
     print(f"# ToMe benchmark: {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP attention, "
           f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, "
           f"methods: {', '.join(names)}; random weights: speed only")
     print(command)
     _cap_lines(args, cap)
     racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
-                              "tomesd" in names, "ideal" in names)
+                              "tomesd" in names, "ideal" in names, args.size_weighted)
     per_case = len(args.models) * len(args.sizes) * racers
     total = per_case * ((args.repeats + 1) * ("unet" not in args.skip)
                         + (max(args.repeats, CHEAP_ROUNDS) + 1) * ("block" not in args.skip))

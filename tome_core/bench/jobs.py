@@ -19,7 +19,7 @@ from tome_core.options import effective_ratio
 from tome_core.patch import transformer_levels
 
 from . import archs
-from .contenders import Contender, Wrapped, roster, tomesd_available
+from .contenders import SIZE_WEIGHTED, Contender, Wrapped, roster, tomesd_available
 from .fidelity import Pictures, sample_pictures
 from .opcount import OpCount, count_ops, ops_per_block
 from .pipeline import Pipeline
@@ -56,17 +56,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def contender_names(with_tomesd: bool = True, with_ideal: bool = True) -> list[str]:
+def contender_names(with_tomesd: bool = True, with_ideal: bool = True, with_size_weighted: bool = False
+                    ) -> list[str]:
     """The methods a run will race, in their order."""
-    return (["none", "ToMe", "ToDo", "Local"] + (["tomesd"] if with_tomesd and tomesd_available() else [])
+    weighted = [f"ToMe {SIZE_WEIGHTED}", f"Local {SIZE_WEIGHTED}"] if with_size_weighted else []
+    return (["none", "ToMe", "ToDo", "Local"] + weighted + (["tomesd"] if with_tomesd and tomesd_available() else [])
             + (["ideal"] if with_ideal else []))
 
 
-def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True) -> int:
+def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True,
+                with_size_weighted: bool = False) -> int:
     """How many contenders a roster of ``ratios`` ratios and ``todo_factors`` factors holds."""
     names = contender_names(with_tomesd, with_ideal)
-    # Per ratio: ToMe and Local, tomesd, the ideal and the keys-and-values ideal.
-    return 1 + ratios * (2 + ("tomesd" in names) + ideals_per_ratio("ideal" in names)) + todo_factors
+    # Per ratio: ToMe and Local (and each size-weighted), tomesd, the ideal and the keys-and-values ideal.
+    return 1 + ratios * (2 + 2 * with_size_weighted + ("tomesd" in names) + ideals_per_ratio("ideal" in names)) \
+        + todo_factors
 
 
 def ideals_per_ratio(with_ideal: bool) -> int:
@@ -133,7 +137,8 @@ def entries(racers: list[Contender]) -> list[Entry]:
 def racers_for(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_setup=None) -> list[Contender]:
     return roster(effective_ratios(args.ratios), args.todo_factors, use_rand=not args.no_rand, seed=args.seed,
                   max_downsample=args.max_downsample, tomesd_max_downsample=tomesd_max_downsample,
-                  with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup)
+                  with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup,
+                  with_size_weighted=getattr(args, "size_weighted", False))
 
 
 def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = None) -> list[Case]:
