@@ -28,12 +28,13 @@ def stand_in_pipeline(decode: bool = True, channels: int = 32, seed: int = 0) ->
                     decode=(lambda x: (x + 1) / 2) if decode else None)
 
 
-def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline, shipped: tuple[str, ...] | None = None) -> list:
+def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline, shipped: tuple[str, ...] | None = None,
+                  missing: tuple[str, ...] = ()) -> list:
     """Make ``from tome_core.bench.proxy import load_proxy`` give a stand-in; returns the calls' arguments.
 
     With ``shipped``, the module names those paths as its shipped proxies ("seed 0", "seed 1", ...), and the
     stand-in loaded for the k-th is built from seed k: independently drawn weights, as independently trained
-    proxies are."""
+    proxies are; those also in ``missing`` are reported as not there."""
     calls = []
     module = types.ModuleType("tome_core.bench.proxy")
 
@@ -47,6 +48,8 @@ def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline, shipped: tuple[st
     module.EVAL_SIZE = 16
     if shipped:
         module.SHIPPED_WEIGHTS = tuple(shipped)
+        module.shipped_weights = lambda: ([p for p in shipped if p not in missing], list(missing))
+        module.train_command = lambda path: f"python -m tome_core.bench.proxy train --seed {shipped.index(path)}"
         module.describe = lambda path: f"seed {shipped.index(path)}" if path in shipped else path
     monkeypatch.setitem(sys.modules, "tome_core.bench.proxy", module)
     # ``from . import proxy`` reads the package's attribute first, set once the real module has been imported.

@@ -204,6 +204,18 @@ def test_the_default_run_measures_every_shipped_proxy_and_says_what_holds_on_all
     assert sheet.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_missing_shipped_proxy_is_named_with_the_command_that_makes_it(monkeypatch, capsys, steady_timer):
+    shipped = ("p0.safetensors", "p1.safetensors", "p2.safetensors")
+    calls = install_proxy(monkeypatch, shipped=shipped, missing=("p2.safetensors",))
+    assert cli.main(["--sizes", str(SIZE), "--steps", "1", "--repeats", "1", "--quiet", "--sheet", "", "--device",
+                     "cpu", "--ratios", "0.5", "--todo-factors", "2", "--images", "1", "--no-tomesd"]) == 0
+    assert [c[2] for c in calls] == ["p0.safetensors", "p1.safetensors"]
+    out = capsys.readouterr().out
+    assert "# models: 2 proxies (seed 0, seed 1)" in out
+    assert "# note: shipped proxy p2.safetensors is missing, so not measured: python -m tome_core.bench.proxy " \
+           "train --seed 2" in out
+
+
 def test_another_proxy_is_measured_from_its_weights_file(monkeypatch, capsys, tmp_path, steady_timer):
     calls = install_proxy(monkeypatch)
     weights = tmp_path / "proxy-seed1.safetensors"

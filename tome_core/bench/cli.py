@@ -335,15 +335,20 @@ def load_proxies(device: torch.device, dtype: torch.dtype, paths: list[str] | No
         from . import proxy
     except ImportError:
         return None
+    missing: list[str] = []
     if paths is None:
-        shipped = getattr(proxy, "SHIPPED_WEIGHTS", None)
-        paths = list(shipped) if shipped else [None]
+        finder = getattr(proxy, "shipped_weights", None)
+        paths, missing = finder() if finder is not None else ([None], [])
+        paths = paths or [None]  # none here: the first one's own refusal says how to make it
     describe = getattr(proxy, "describe", None)
     out = []
     for path in paths:
         pipe = load_proxy_pipeline(device, dtype, path)
         label = describe(path) if describe is not None else (os.path.basename(path) if path else pipe.label)
         out.append((label, pipe))
+    for path in missing:  # a checkout without one of them still runs, on the others, and says so
+        out[0][1].notes.append(f"shipped proxy {os.path.basename(path)} is missing, so not measured: "
+                               f"{proxy.train_command(path)}")
     return out
 
 

@@ -45,6 +45,19 @@ WEIGHTS_FILE = os.path.join(HERE, "proxy_weights.safetensors")  # seed 0, the fi
 # measures fidelity on each, since one proxy's figures do not all replicate on another.
 SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(HERE, "proxy_weights_seed1.safetensors"),
                    os.path.join(HERE, "proxy_weights_seed2.safetensors"))
+
+
+def shipped_weights() -> tuple[list[str], list[str]]:
+    """The shipped proxies' weight files that are here, and those that are not (each missing one is made by
+    ``train --seed K --out PATH``, K its place in ``SHIPPED_WEIGHTS``)."""
+    here = [p for p in SHIPPED_WEIGHTS if os.path.isfile(p)]
+    return here, [p for p in SHIPPED_WEIGHTS if p not in here]
+
+
+def train_command(path: str) -> str:
+    """The command that makes the shipped proxy file ``path`` again."""
+    seed = SHIPPED_WEIGHTS.index(path) if path in SHIPPED_WEIGHTS else 0
+    return f"python -m tome_core.bench.proxy train --seed {seed} --out {path}"
 EVAL_SIZE = 64  # px per side at which fidelity runs and tests use the model: 4,096 tokens at the top level
 CONTEXT_TOKENS, CONTEXT_DIM = 4, 32
 
@@ -259,10 +272,9 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     """
     path = path or WEIGHTS_FILE
     if not os.path.isfile(path):
-        seed = SHIPPED_WEIGHTS.index(path) if path in SHIPPED_WEIGHTS else 0
         raise FileNotFoundError(f"the proxy model's weights are missing: {path}. They ship with this extension; "
                                 f"restore the file (git checkout -- {os.path.basename(path)}) or train it again: "
-                                f"python -m tome_core.bench.proxy train --seed {seed} --out {path}")
+                                f"{train_command(path)}")
     from safetensors.torch import load_file
 
     from .archs import in_run_dtype, use_webui_unet
