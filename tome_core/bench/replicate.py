@@ -87,8 +87,8 @@ def grouped(names: list[str], entries: dict[str, Entry]) -> str:
 
 def orderings_lines(found: Orderings, entries: dict[str, Entry], models: int) -> list[str]:
     """Markdown: one line per contender that is closer than some other on every model."""
-    lines = [f"### {TITLES[found.measure]}: {found.held} of {found.pairs} pairs keep their order on all {models}",
-             ""]
+    lines = [f"### {TITLES[found.measure]}: {found.held} of {found.pairs} pairs in the same order on all {models} "
+             f"models", ""]
     for name, beaten in found.closer.items():
         if beaten:
             lines.append(f"- {name} is closer than {grouped(beaten, entries)}")
