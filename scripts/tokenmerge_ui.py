@@ -4,9 +4,10 @@ API: ``"alwayson_scripts": {"tome": {"args": [...]}}`` with the positional value
 both tabs; img2img ignores the two hires values)::
 
     enabled, ratio, hr_only, hr_ratio, method, max_downsample, sx, sy, use_rand, merge_crossattn, merge_mlp,
-    todo_factor, todo_pool, step_start, step_end, local_replan
+    todo_factor, todo_pool, step_start, step_end, local_replan, size_weighted_keys
 
-(calls with the first 15 values, made before ``local_replan`` existed, keep working: it takes its default)
+(calls with fewer values, made before the last ones existed, keep working: the missing ones take their
+defaults)
 
 or ``{"args": [{"enabled": true, "ratio": 0.4, ...}]}``: one dict with any of those keys, the rest at their
 defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
@@ -32,9 +33,9 @@ LOG_PREFIX = "[ToMe]"
 BUILTIN_RATIO_SETTINGS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
 # The advanced panel, row by row.
 ADVANCED_ROWS = (("method", "max_downsample"), ("sx", "sy"), ("use_rand", "merge_crossattn", "merge_mlp"),
-                 ("todo_factor", "todo_pool"), ("local_replan",), ("step_start", "step_end"))
+                 ("todo_factor", "todo_pool"), ("local_replan", "size_weighted_keys"), ("step_start", "step_end"))
 # Controls one method alone reads, shown only while that method is chosen.
-METHOD_CONTROLS = tuple(key for keys in tm.METHOD_KEYS.values() for key in keys)
+METHOD_CONTROLS = tuple(dict.fromkeys(key for keys in tm.METHOD_KEYS.values() for key in keys))
 # Our own entries in p.extra_generation_params (also the ones an earlier XYZ cell may have left there).
 OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS) | {tm.REFINER_INFOTEXT, tm.HYPERTILE_INFOTEXT}
 # On the processing object: the sampling pass under way, when ToMe applies to it.

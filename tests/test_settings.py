@@ -16,7 +16,8 @@ from tome_core.options import METHODS, TODO_POOLS
 from tome_core.settings import TokenMergeSettings
 
 API_KEYS = ("enabled", "ratio", "hr_only", "hr_ratio", "method", "max_downsample", "sx", "sy", "use_rand",
-            "merge_crossattn", "merge_mlp", "todo_factor", "todo_pool", "step_start", "step_end", "local_replan")
+            "merge_crossattn", "merge_mlp", "todo_factor", "todo_pool", "step_start", "step_end", "local_replan",
+            "size_weighted_keys")
 FIRST_RELEASE_KEYS = API_KEYS[:15]  # positional API calls written for them must keep working
 
 
@@ -33,9 +34,9 @@ def test_defaults():
     assert (s.sx, s.sy, s.use_rand, s.merge_crossattn, s.merge_mlp) == (2, 2, True, False, False)
     assert (s.todo_factor, s.todo_pool, s.step_start, s.step_end) == (2, "nearest", 0.0, 1.0)
     assert tm.parse_args(()) == s == tm.DISABLED
-    assert s.local_replan == 1
+    assert s.local_replan == 1 and s.size_weighted_keys is False
     assert s.ui_values() == [False, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest",
-                             0.0, 1.0, 1]
+                             0.0, 1.0, 1, False]
     ratio = tm.PARAM["ratio"]
     assert (ratio.low, ratio.high, ratio.step) == (0.0, 0.9, 0.05)
 
@@ -54,7 +55,7 @@ def test_positional_args_in_order_with_missing_trailing_ones_at_defaults():
     assert tm.parse_args((True, 0.3)) == TokenMergeSettings(enabled=True, ratio=0.3)
     assert tm.parse_args(tuple(TokenMergeSettings(enabled=True, sx=4).ui_values())) == TokenMergeSettings(
         enabled=True, sx=4)
-    with pytest.raises(ValueError, match="at most 16 arguments"):
+    with pytest.raises(ValueError, match=f"at most {len(API_KEYS)} arguments"):
         tm.parse_args(tuple(TokenMergeSettings().ui_values()) + (1,))
 
 
@@ -209,11 +210,11 @@ def test_from_infotext_without_tome_is_off_and_rejects_bad_text():
 
 def test_infotexts_of_the_first_release_paste_back_unchanged():
     """Texts written before the local method existed: every control takes the value it took then, and the
-    new control its default."""
+    new controls their defaults."""
     text = {"ToMe ratio": "0.6", "ToMe method": "ToDo", "ToMe ToDo factor": "3", "ToMe step start": "0.2"}
     pasted = {key: tm.pasted_value(key, text) for key in tm.KEYS}
     assert pasted == dict(zip(tm.KEYS, [True, 0.6, False, 0.0, "ToDo", "auto", 2, 2, True, False, False, 3,
-                                        "nearest", 0.2, 1.0, 1]))
+                                        "nearest", 0.2, 1.0, 1, False]))
     assert TokenMergeSettings.from_infotext(text) == TokenMergeSettings(True, 0.6, method="todo", todo_factor=3,
                                                                         step_start=0.2)
 
@@ -289,3 +290,18 @@ def test_settings_import_no_host():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_size_weighted_keys_reaches_the_engine_infotext_and_paste_back():
+    s = TokenMergeSettings(enabled=True, method="Local", ratio=0.25, size_weighted_keys=True)
+    assert s.engine_options(hires=False, seed=1)["size_weighted_keys"] is True
+    text = s.to_infotext()
+    assert text["ToMe size-weighted keys"] is True
+    assert TokenMergeSettings.from_infotext({k: str(v) for k, v in text.items()}) == s.effective()
+    assert "ToMe size-weighted keys" not in TokenMergeSettings(enabled=True).to_infotext()  # the default
+    assert tm.parse_args([True, 0.5] + [tm.PARAM[k].default for k in API_KEYS[2:-1]] + [True]).size_weighted_keys
+    assert tm.parse_args([{"enabled": True, "size_weighted_keys": True}]).size_weighted_keys
+    with pytest.raises(TypeError, match="size_weighted_keys must be True or False"):
+        tm.parse_args([{"enabled": True, "size_weighted_keys": "on"}])
+    assert "size_weighted_keys" in tm.METHOD_KEYS["tome"] and "size_weighted_keys" in tm.METHOD_KEYS["local"]
+    assert "size_weighted_keys" not in tm.METHOD_KEYS["todo"]

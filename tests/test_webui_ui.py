@@ -93,18 +93,18 @@ def _dependency(host, trigger, outputs):
 
 def test_advanced_panel_shows_only_the_chosen_methods_own_controls(host):
     """Stride, random partition and the cross-attention and MLP switches for ToMe, factor and pooling for
-    ToDo, the re-plan interval for Local; the method radio's change event (also fired by a paste) switches
-    them."""
+    ToDo, the re-plan interval for Local, size-weighted keys for ToMe and Local; the method radio's change
+    event (also fired by a paste) switches them."""
     for tab in TABS:
         controls = dict(zip(tm.KEYS, host.webui.script(tab, "ToMe").controls))
-        own = [key for keys in tm.METHOD_KEYS.values() for key in keys]
+        own = list(dict.fromkeys(key for keys in tm.METHOD_KEYS.values() for key in keys))  # each control once
         block_fn = _dependency(host, controls["method"], [controls[key] for key in own])
         for method in ("ToMe", "ToDo", "Local"):
             shown = {key for key, update in zip(own, block_fn.fn(method)) if update["visible"]}
             assert shown == set(tm.METHOD_KEYS[method.lower()]), method
         assert all(update["visible"] for update in block_fn.fn("nonsense"))  # refused later, never hidden
         assert {key for key in own if controls[key].visible is not False} == {
-            "sx", "sy", "use_rand", "merge_crossattn", "merge_mlp"}
+            "sx", "sy", "use_rand", "merge_crossattn", "merge_mlp", "size_weighted_keys"}
 
 
 def test_ui_has_no_side_effects_and_gives_the_same_defaults_again(host):

@@ -135,11 +135,12 @@ PARAMS: tuple[Param, ...] = (
     # Appended after the parameters of the first release, so positional API calls made for it keep working.
     Param("local_replan", INT, 1, "Re-plan every (steps)", "ToMe re-plan every", "[ToMe] Re-plan every",
           1, MAX_LOCAL_REPLAN_UI, 1),
+    Param("size_weighted_keys", BOOL, False, "Size-weighted keys", "ToMe size-weighted keys"),
 )
 METHOD_KEYS: dict[str, tuple[str, ...]] = {
-    "tome": ("sx", "sy", "use_rand", "merge_crossattn", "merge_mlp"),  # ToDo and Local reduce self-attention only
-    "todo": ("todo_factor", "todo_pool"),
-    "local": ("local_replan",),
+    "tome": ("sx", "sy", "use_rand", "merge_crossattn", "merge_mlp", "size_weighted_keys"),
+    "todo": ("todo_factor", "todo_pool"),  # ToDo and Local reduce self-attention only
+    "local": ("local_replan", "size_weighted_keys"),
 }
 """The parameters only one method reads: the advanced panel shows those of the chosen method alone."""
 PARAM: dict[str, Param] = {p.key: p for p in PARAMS}
@@ -171,6 +172,7 @@ class TokenMergeSettings:
     step_start: float = _default("step_start")
     step_end: float = _default("step_end")
     local_replan: int = _default("local_replan")
+    size_weighted_keys: bool = _default("size_weighted_keys")
 
     def __post_init__(self) -> None:
         for param in PARAMS:
@@ -201,7 +203,7 @@ class TokenMergeSettings:
                     use_rand=self.use_rand, merge_crossattn=self.merge_crossattn, merge_mlp=self.merge_mlp,
                     method=self.method, todo_factor=self.todo_factor, todo_pool=self.todo_pool,
                     step_start=self.step_start, step_end=self.step_end, seed=seed,
-                    local_replan=self.local_replan)
+                    local_replan=self.local_replan, size_weighted_keys=self.size_weighted_keys)
 
     # -- derived settings ----------------------------------------------------------------------------------
 
