@@ -28,17 +28,29 @@ def stand_in_pipeline(decode: bool = True, channels: int = 32, seed: int = 0) ->
                     decode=(lambda x: (x + 1) / 2) if decode else None)
 
 
-def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline) -> list:
-    """Make ``from tome_core.bench.proxy import load_proxy`` give a stand-in; returns the calls' arguments."""
+def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline, shipped: tuple[str, ...] | None = None,
+                  missing: tuple[str, ...] = ()) -> list:
+    """Make ``from tome_core.bench.proxy import load_proxy`` give a stand-in; returns the calls' arguments.
+
+    With ``shipped``, the module names those paths as its shipped proxies ("seed 0", "seed 1", ...), and the
+    stand-in loaded for the k-th is built from seed k: independently drawn weights, as independently trained
+    proxies are; those also in ``missing`` are reported as not there."""
     calls = []
     module = types.ModuleType("tome_core.bench.proxy")
 
     def load_proxy(device="cpu", dtype=torch.float32, path=None):
         calls.append((device, dtype) if path is None else (device, dtype, path))
+        if shipped and path in shipped:
+            return pipe_factory(seed=shipped.index(path))
         return pipe_factory()
 
     module.load_proxy = load_proxy
     module.EVAL_SIZE = 16
+    if shipped:
+        module.SHIPPED_WEIGHTS = tuple(shipped)
+        module.shipped_weights = lambda: ([p for p in shipped if p not in missing], list(missing))
+        module.train_command = lambda path: f"python -m tome_core.bench.proxy train --seed {shipped.index(path)}"
+        module.describe = lambda path: f"seed {shipped.index(path)}" if path in shipped else path
     monkeypatch.setitem(sys.modules, "tome_core.bench.proxy", module)
     # ``from . import proxy`` reads the package's attribute first, set once the real module has been imported.
     monkeypatch.setattr(tome_core.bench, "proxy", module, raising=False)

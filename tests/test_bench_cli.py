@@ -127,8 +127,8 @@ def test_entry_points_answer_help(module):
 
 
 @pytest.mark.parametrize("module", ["archs", "checkpoint", "pipeline", "sampling", "contenders", "timing", "metrics",
-                                    "opcount", "report", "fidelity", "sheet", "chart", "probes", "jobs", "cli",
-                                    "gpucheck"])
+                                    "spread", "opcount", "report", "stepwise", "fidelity", "replicate", "sheet",
+                                    "chart", "probes", "jobs", "cli", "gpucheck"])
 def test_each_bench_module_imports_alone_without_ldm(module):
     # A fresh interpreter per module: an import cycle shows only when a module of the cycle is imported first.
     code = (f"import sys, tome_core.bench.{module}; "
@@ -164,3 +164,56 @@ else:
     raise AssertionError("a stand-in PIL stayed behind")
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# -- what a new user meets first ---------------------------------------------------------------------------------
+
+def test_help_opens_with_what_the_tool_does_and_every_option_says_what_it_is():
+    parser = cli.build_parser()
+    assert "`" not in parser.description and "python -m" not in parser.description
+    undocumented = [a.option_strings for a in parser._actions if a.help is None]
+    assert undocumented == []
+    done = subprocess.run([sys.executable, "-m", "tome_core.bench", "--help"], capture_output=True, text=True,
+                          cwd=ROOT)
+    options = done.stdout[done.stdout.index("options:"):]
+    skip = options[options.index("--skip"):]
+    assert "leave out these measurements" in " ".join(skip.split()[:40])
+
+
+def test_the_pictures_the_default_run_writes_are_ignored_by_git():
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    names = [cli.DEFAULT_SHEET, "tradeoff.png", "speedup.png", "tome-fidelity-64px.png"]
+    done = subprocess.run(["git", "check-ignore", *names], capture_output=True, text=True, cwd=ROOT)
+    assert done.stdout.split() == names
+    # Only at the top: the README's screenshots stay tracked.
+    kept = subprocess.run(["git", "check-ignore", "tests/screenshots/proxy-tradeoff.png"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert kept.returncode == 1
+
+
+def test_a_proxy_file_that_is_not_a_safetensors_file_is_one_line_and_exit_2(capsys, tmp_path, nothing_is_timed):
+    junk = tmp_path / "notes.safetensors"
+    junk.write_text("these are not weights, just text that happens to be long enough " * 4)
+    _refused(capsys, cli.main, ["--proxy", str(junk)], f"--proxy {junk}: not a safetensors file")
+
+
+def test_a_safetensors_file_of_another_kind_is_refused_briefly_without_pointing_training_at_it(
+        capsys, tmp_path, nothing_is_timed):
+    import json
+
+    from safetensors.torch import save_file
+
+    from tome_core.bench import proxy
+
+    plain = tmp_path / "vae.safetensors"
+    save_file({"decoder.conv_in.weight": torch.zeros(3)}, str(plain))
+    _refused(capsys, cli.main, ["--proxy", str(plain)], "not a proxy model's weights")
+    other = tmp_path / "wide.safetensors"
+    save_file({"context": torch.zeros(1, 4, 32)}, str(other),
+              metadata={"arch": json.dumps(dict(proxy.PROXY_ARCH, model_channels=64))})
+    assert cli.main(["--proxy", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "model_channels 64 where this code builds 32" in err and len(err) < 400, err
+    assert json.dumps(proxy.PROXY_ARCH) not in err and str(proxy.PROXY_ARCH) not in err
+    assert f"--out {other}" not in err and "--out proxy-seedN.safetensors" in err

@@ -17,6 +17,7 @@ from tome_core.bench.metrics import psnr, ssim
 from tome_core.bench.opcount import count_ops, ops_per_block
 from tome_core.bench.report import Case, Entry, Fidelity
 from tome_core.bench.sheet import case_rows, sheet_size, tile_side, write_case_sheet
+from tome_core.bench.stepwise import step_errors
 from bench_stand_ins import install_proxy, stand_in_pipeline
 from unets import inputs, tiny_unet
 
@@ -75,12 +76,14 @@ def test_unmerged_and_ratio_0_are_exact_and_a_real_merge_is_not():
     racers = roster([0.0, 0.5], [2], with_ideal=True)
     pictures = sample_pictures(pipe, racers, SIZE, steps=2)
     assert "ideal 0.50" not in pictures.images  # a speed bound, not a picture
-    fid = pictures.fidelity()
-    assert fid["none"] == Fidelity(math.inf, 1.0)
+    fid = pictures.fidelity(steps=step_errors(pipe, racers, pictures.trajectory))
+    assert fid["none"] == Fidelity(math.inf, 1.0, math.inf, (math.inf, math.inf), (1.0, 1.0), (math.inf, math.inf))
     for name in ("ToMe 0.00", "tomesd 0.00"):
         assert torch.equal(pictures.images[name], pictures.images["none"]) and fid[name].psnr == math.inf
+        assert fid[name].step == math.inf  # the same prediction at every step
     for name in ("ToMe 0.50", "ToDo f=2", "tomesd 0.50"):
         assert math.isfinite(fid[name].psnr) and fid[name].ssim < 1.0, name
+        assert math.isfinite(fid[name].step) and fid[name].step > 0, name
     assert all(0 <= img.min() and img.max() <= 1 for img in pictures.images.values())
     again = sample_pictures(pipe, racers, SIZE, steps=2)  # seeded: every contender repeats, tomesd too
     assert all(torch.equal(again.images[k], v) for k, v in pictures.images.items())
@@ -106,14 +109,15 @@ def test_side_by_side_has_a_row_per_method_and_the_unmerged_image_first(tmp_path
     entries = [Entry(c.name, c.method, c.setting, c.ideal) for c in racers]
     case = Case("stand-in", SIZE, entries, fidelity=pictures.fidelity())
     rows = case_rows(case, pictures)
-    assert [label for label, _ in rows] == ["ToMe", "ToDo", "Local", "tomesd"]
-    assert all(tiles[0].caption[0] == "no merging" for _, tiles in rows)
-    assert [len(tiles) for _, tiles in rows] == [3, 4, 3, 3]
+    assert [label for label, _ in rows] == ["ToMe", "ToMe |diff|", "ToDo", "ToDo |diff|", "Local", "Local |diff|",
+                                            "tomesd", "tomesd |diff|"]
+    assert all(tiles[0].caption[0] == "no merging" for _, tiles in rows[::2])
+    assert [len(tiles) for _, tiles in rows] == [3, 3, 4, 4, 3, 3, 3, 3]
     path = tmp_path / "sheet.png"
     size = write_case_sheet(str(path), case, pictures, "title")
     tile = tile_side(SIZE)
     assert tile >= 160 and tile % SIZE == 0  # small pictures enlarged by a whole factor
-    assert Image.open(path).size == size == sheet_size(4, 4, tile)
+    assert Image.open(path).size == size == sheet_size(8, 4, tile)
 
 
 # -- operations a patched block dispatches --------------------------------------------------------------------------
@@ -160,12 +164,56 @@ def test_the_default_run_reports_every_method_with_speed_and_fidelity(monkeypatc
                        ("tomesd", "0.75"), ("ideal", "0.25"), ("ideal", "0.50"), ("ideal", "0.75"),
                        ("ideal", "KV 0.25"), ("ideal", "KV 0.50"), ("ideal", "KV 0.75")]
     cells = {m: line.strip("|").split("|") for m, line in zip(methods, lines)}
-    assert [c.strip() for c in cells[("none", "–")][4:]] == ["10.0 (0%)", "1.00x", "–", "∞", "1.000", "0"]
+    assert [c.strip() for c in cells[("none", "–")][4:]] == ["10.0 (0%)", "1.00x", "–", "∞", "1.000", "∞", "0"]
     for key in [m for m in methods if m[0] in ("ToMe", "ToDo", "Local", "tomesd")]:
-        psnr_cell, ssim_cell, ops_cell = (c.strip() for c in cells[key][7:10])
+        psnr_cell, ssim_cell, step_cell, ops_cell = (c.strip().split()[0] for c in cells[key][7:11])
         assert math.isfinite(float(psnr_cell)) and float(ssim_cell) <= 1 and float(ops_cell) > 0, key
+        assert math.isfinite(float(step_cell)), key
     assert "the decoded images after 2 Euler steps" in out
     assert sheet.read_bytes()[:4] == b"\x89PNG" and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def _numbers(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_the_default_run_measures_every_shipped_proxy_and_says_what_holds_on_all(monkeypatch, capsys, tmp_path,
+                                                                                 steady_timer):
+    shipped = ("p0.safetensors", "p1.safetensors", "p2.safetensors")
+    calls = install_proxy(monkeypatch, shipped=shipped)
+    sheet = tmp_path / "sheet.png"
+    assert cli.main(["--sizes", str(SIZE), "--steps", "2", "--repeats", "1", "--quiet", "--sheet", str(sheet),
+                     "--device", "cpu", "--ratios", "0.25", "0.75", "--todo-factors", "2", "--images", "2",
+                     "--no-tomesd"]) == 0
+    assert [c[2] for c in calls] == list(shipped)
+    out = capsys.readouterr().out
+    assert "# models: 3 proxies (seed 0, seed 1, seed 2)" in out and f"# writes {sheet}" in out
+    sections = out.split("\n## ")
+    main = next(s for s in sections if s.startswith("stand-in proxy: speed and fidelity"))
+    for measure, column in (("final-picture PSNR dB", 7), ("one-step dB", 9)):
+        table = next(s for s in sections if s.startswith(f"stand-in proxy at {SIZE} px, {measure} on each proxy"))
+        assert "| method | setting | seed 0 | seed 1 | seed 2 | median |" in table
+        for name in ("ToMe | 0.25", "Local | 0.75", "ToDo | f=2"):
+            row = _numbers(next(line for line in table.splitlines() if f"| {name} |" in line))
+            each = sorted(float(cell.split()[0]) for cell in row[2:5])
+            assert float(row[5]) == each[1], (measure, name)  # the median of the three proxies' medians
+            in_main = _numbers(next(line for line in main.splitlines() if f"| {name} |" in line))[column]
+            assert in_main == f"{each[1]:.1f} ({each[0]:.1f}–{each[2]:.1f})", (measure, name, in_main)
+    holds = next(s for s in sections if s.startswith(f"stand-in proxy at {SIZE} px: orderings that hold"))
+    assert "### final-picture PSNR dB:" in holds and "### one-step dB:" in holds
+    assert sheet.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_missing_shipped_proxy_is_named_with_the_command_that_makes_it(monkeypatch, capsys, steady_timer):
+    shipped = ("p0.safetensors", "p1.safetensors", "p2.safetensors")
+    calls = install_proxy(monkeypatch, shipped=shipped, missing=("p2.safetensors",))
+    assert cli.main(["--sizes", str(SIZE), "--steps", "1", "--repeats", "1", "--quiet", "--sheet", "", "--device",
+                     "cpu", "--ratios", "0.5", "--todo-factors", "2", "--images", "1", "--no-tomesd"]) == 0
+    assert [c[2] for c in calls] == ["p0.safetensors", "p1.safetensors"]
+    out = capsys.readouterr().out
+    assert "# models: 2 proxies (seed 0, seed 1)" in out
+    assert "# note: shipped proxy p2.safetensors is missing, so not measured: python -m tome_core.bench.proxy " \
+           "train --seed 2" in out
 
 
 def test_another_proxy_is_measured_from_its_weights_file(monkeypatch, capsys, tmp_path, steady_timer):
@@ -263,3 +311,27 @@ def test_the_gpu_check_says_when_there_is_no_proxy(monkeypatch, capsys):
     monkeypatch.setattr(cli, "load_proxy_pipeline", lambda device, dtype: None)
     gpucheck.proxy_fidelity(gpucheck.parse_args(["--device", "cpu"]), torch.device("cpu"), torch.float32)
     assert "no fidelity figure" in capsys.readouterr().out
+
+
+def test_the_ideal_lines_labels_do_not_overprint_each_other():
+    from tome_core.bench.chart import label_positions, tradeoff_figure
+    from tome_core.bench.timing import Spread
+
+    # The ideals' speed-ups as the proxy gives them: several within a hundredth of each other.
+    speeds = {"none": 1.0, "ToMe 0.50": 1.41, "ideal 0.25": 1.42, "ideal 0.50": 1.76, "ideal 0.75": 2.01,
+              "ideal KV 0.25": 1.19, "ideal KV 0.50": 1.34, "ideal KV 0.75": 1.65, "ideal KV 0.80": 1.66}
+    entries = [Entry(n, n.split()[0], " ".join(n.split()[1:]) or "–") for n in speeds]
+    ms = {n: Spread(100 / v, 100 / v, 100 / v, 100 / v, 100 / v, 3) for n, v in speeds.items()}
+    fid = {"none": Fidelity(math.inf, 1.0, math.inf), "ToMe 0.50": Fidelity(45.0, 0.99, 38.0, (44.0, 46.0))}
+    fig = tradeoff_figure([Case("proxy", 64, entries, ms, fid)], "title")
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.texts if t.get_text().startswith("ideal")]
+        assert len(boxes) == 7
+        overlaps = [(i, j) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+        assert overlaps == []
+    # Spread apart by at least the gap, in the order of their values, each as near its own as that allows.
+    # By hand: 1.0, 1.02 and 1.05 form one group spaced by 0.1 around their mean 1.0233; 3.0 stays put.
+    mean = (1.0 + 1.02 + 1.05) / 3
+    assert label_positions([1.0, 1.05, 1.02, 3.0], 0.1) == pytest.approx([mean - 0.1, mean + 0.1, mean, 3.0])
+    assert label_positions([1.0, 2.0], 0.1) == [1.0, 2.0]

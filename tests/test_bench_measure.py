@@ -134,7 +134,7 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
     out = capsys.readouterr().out
     assert ("WARNING: the machine was busy" in out) == warned
     if not warned:
-        assert "| sd15 | 64 | none | – | 100.0 (0%) | 1.00x | – | – | – | 0 |" in out
+        assert "| sd15 | 64 | none | – | 100.0 (0%) | 1.00x | – | – | – | – | 0 |" in out
         assert "| sd15 | 64 | ToMe | 0.50 | 80.0 (0%) | 1.25x | 37% | – | – |" in out
         assert "| sd15 | 64 | ToDo | f=2 | 90.0 (0%) | 1.11x | – | – | – |" in out
         assert "| sd15 | 64 | Local | 0.50 | 70.0 (0%) | 1.43x | 80% | – | – |" in out  # of the KV ideal's 1.54x
@@ -207,21 +207,26 @@ def test_table_line_shows_speed_share_fidelity_and_ops_side_by_side():
     case = Case("sd15", 512, ENTRIES, {"none": spread(300, 300, 300), "ToMe 0.50": spread(200, 200, 200),
                                        "ToDo f=2": spread(250, 250, 250), "tomesd 0.50": spread(240, 240, 240),
                                        "ideal 0.50": spread(150, 150, 150)},
-                {"none": Fidelity(math.inf, 1.0), "ToMe 0.50": Fidelity(31.25, 0.9512),
+                {"none": Fidelity(math.inf, 1.0, math.inf),
+                 "ToMe 0.50": Fidelity(31.25, 0.9512, 40.04, (28.96, 33.0), (0.9400, 0.9600), (39.5, 41.0)),
                  "ToDo f=2": Fidelity(35.0, 0.97), "tomesd 0.50": Fidelity(30.0, 0.94)},
                 {"ToMe 0.50": 84.0, "ToDo f=2": 6.0, "tomesd 0.50": 120.0, "ideal 0.50": 7.0})
     # speed-ups 1.5, 1.2, 1.25 and 2.0; shares 0.5 / 1.0 and 0.25 / 1.0; ToDo has no ideal to share.
     lines = [table_line(case, e) for e in ENTRIES]
+    # Medians with their range beside them; a figure without a range (one draw, or not measured) stands alone.
     assert lines == [
-        "| sd15 | 512 | none | – | 300.0 (0%) | 1.00x | – | ∞ | 1.000 | 0 |",
-        "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | 31.2 | 0.951 | 84 |",
-        "| sd15 | 512 | ToDo | f=2 | 250.0 (0%) | 1.20x | – | 35.0 | 0.970 | 6 |",
-        "| sd15 | 512 | tomesd | 0.50 | 240.0 (0%) | 1.25x | 25% | 30.0 | 0.940 | 120 |",
-        "| sd15 | 512 | ideal | 0.50 | 150.0 (0%) | 2.00x | – | – | – | 7 |"]
+        "| sd15 | 512 | none | – | 300.0 (0%) | 1.00x | – | ∞ | 1.000 | ∞ | 0 |",
+        "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | 31.2 (29.0–33.0) | 0.951 (0.940–0.960) | "
+        "40.0 (39.5–41.0) | 84 |",
+        "| sd15 | 512 | ToDo | f=2 | 250.0 (0%) | 1.20x | – | 35.0 | 0.970 | – | 6 |",
+        "| sd15 | 512 | tomesd | 0.50 | 240.0 (0%) | 1.25x | 25% | 30.0 | 0.940 | – | 120 |",
+        "| sd15 | 512 | ideal | 0.50 | 150.0 (0%) | 2.00x | – | – | – | – | 7 |"]
     no_fidelity = Case("sd15", 512, ENTRIES, case.ms)
-    assert table_line(no_fidelity, ENTRIES[1]) == "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | – | – | – |"
+    assert table_line(no_fidelity, ENTRIES[1]) == \
+        "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | – | – | – | – |"
     text = table([case], "Whole U-Net step", "Random weights.")
-    assert "over 3 interleaved rounds" in text and "| method | setting | ms | speed-up | share | PSNR dB | SSIM" in text
+    assert "over 3 interleaved rounds" in text
+    assert "| method | setting | ms | speed-up | share | PSNR dB | SSIM | step dB | ops/block |" in text
 
 
 def test_no_share_of_an_ideal_gain_lost_in_noise():
@@ -354,3 +359,21 @@ def test_any_multiple_of_8_px_runs_as_in_the_webui(webui_unet, latent):
 def test_top_grid_rounds_up_as_strided_convolutions_do():
     assert [archs.top_grid(px, 1) for px in (16, 24, 72, 1024)] == [1, 2, 5, 64]
     assert archs.top_grid(520, 0) == 65 and math.ceil(65 / 2) == archs.top_grid(520, 1)
+
+
+def test_size_weighted_contenders_join_the_roster_only_when_asked():
+    plain = roster([0.5], [2], with_tomesd=False)
+    weighted = roster([0.5], [2], with_tomesd=False, with_size_weighted=True)
+    added = [c for c in weighted if c.name not in {p.name for p in plain}]
+    assert [(c.name, c.method, c.ideal) for c in added] == [("ToMe +sw 0.50", "ToMe +sw", "ideal 0.50"),
+                                                            ("Local +sw 0.50", "Local +sw", "ideal KV 0.50")]
+    assert jobs.roster_size(1, 1, False, True, True) == len(weighted)
+    unet = tiny_unet("sd1")
+    wrapped = Wrapped(unet)
+    for racer in added:
+        racer.apply(wrapped)
+        try:
+            assert tome_core.get_patch(unet).options.size_weighted_keys
+        finally:
+            racer.remove(wrapped)
+        assert not tome_core.is_patched(unet)

@@ -17,16 +17,21 @@ Modules, by concern (each imports only those listed before it):
                 tokens, chosen free; or every query on fewer keys and values)
     timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
     metrics     PSNR and SSIM of pictures in [0, 1]
+    spread      a figure over images or models: each value, the median, the range
     opcount     operations a patched transformer block dispatches
-    report      markdown tables (speed, share of the ideal's gain, PSNR, SSIM, ops per block, one line per
-                method and setting) and the busy-machine warning
-    fidelity    the same sampling run with each contender, pictures compared with the unmerged one
-    sheet       the pictures side by side (rows: methods, columns: settings, the unmerged first)
-    chart       speed-up against PSNR per method and setting (speed-ups alone for random weights)
+    report      markdown tables (speed, share of the ideal's gain, PSNR, SSIM, step dB, ops per block, one line
+                per method and setting) and the busy-machine warning
+    stepwise    one step's prediction with each contender along the unmerged run's own trajectory
+    fidelity    the same sampling run with each contender, pictures compared image by image with the unmerged
+    replicate   the same figures on several proxies: each one's, their median, the orderings that hold on all
+    sheet       the pictures side by side (rows: methods, columns: settings, the unmerged first) and their
+                amplified differences
+    chart       speed-up against PSNR and step dB per method and setting (speed-ups alone for random weights)
     probes      the merge's own cost: time and peak memory of find + merge + unmerge
     jobs        the measurements: a whole U-Net step, one top transformer, a trained model's speed and fidelity
     cli         arguments and their validation, the main job (``python -m tome_core.bench``)
     gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
-    proxy       the shipped proxy model (a small pixel-space U-Net trained on photographs) for fidelity runs
-                without a checkpoint: ``load_proxy()``, ``python -m tome_core.bench.proxy train|samples``
+    proxy       the shipped proxy models (small pixel-space U-Nets trained on photographs from three seeds) for
+                fidelity runs without a checkpoint: ``load_proxy()``, ``python -m tome_core.bench.proxy
+                train|samples``
 """

@@ -1,15 +1,18 @@
-"""What token merging gains on this machine, and what it costs the picture: ``python -m tome_core.bench --help``.
+"""What token merging gains on this machine, and what it costs the picture.
 
-By default it runs the shipped proxy (a small SD-layout U-Net trained on photographs, pixel space) at its
-evaluation size; ``--checkpoint FILE`` runs a real SD 1.x/2.x/SDXL checkpoint. For either, the same short Euler
-sampling run from the same noise is made with no merging and with each method at each setting (ToMe at each
-ratio, ToDo at each factor, tomesd when installed), the final images compared with the unmerged one by PSNR
-and SSIM, and the same contenders timed on a U-Net call in interleaved rounds. ``--models sd15 sdxl ...`` times
-the webui's architectures with random weights instead: speed only, since random weights make no picture.
+By default it runs the three shipped proxies (small SD-layout U-Nets trained on photographs from three seeds,
+pixel space) at their evaluation size; ``--proxy FILE ...`` runs other proxies, ``--checkpoint FILE`` a real SD
+1.x/2.x/SDXL checkpoint. For each model, the same short Euler sampling run from the same noise is made with no
+merging and with each method at each setting (ToMe and Local at each ratio, ToDo at each factor, tomesd when
+installed), the final images compared image by image with the unmerged ones by PSNR and SSIM, and each step's
+prediction compared along the unmerged run's own trajectory (the "step dB"). The contenders are timed on a
+U-Net call of the first model in interleaved rounds. ``--models sd15 sdxl ...`` times the webui's
+architectures with random weights instead: speed only, since random weights make no picture.
 
-Prints markdown tables with speed and fidelity side by side, writes the images side by side (``--sheet``) and
-a chart of speed-up against fidelity (``--plot``), and warns when the machine was too busy for the figures.
-Every bad argument or input is refused with one line and exit status 2 before anything is built or timed.
+Prints markdown tables with speed and fidelity side by side (with several proxies: each proxy's figures, their
+median, and the orderings that hold on every proxy), writes the images side by side (``--sheet``) and a chart
+of speed-up against fidelity (``--plot``), and warns when the machine was too busy for the figures. Every bad
+argument or input is refused with one line and exit status 2 before anything is built or timed.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from .report import Case, Load, case_timings, find_busy, ms_cell, table
 from .timing import CpuWatch, progress_bar
 
 PROG = "python -m tome_core.bench"
+DEFAULT_SHEET = "tome-fidelity.png"
+PROXY_IMAGES = 4  # images per proxy in the default run: three proxies, two passes of 20 steps per contender
 
 
 class UsageError(Exception):
@@ -47,6 +52,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: cuda or mps when found, else cpu)")
     ap.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -57,9 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a .safetensors/.ckpt SD 1.x/2.x/SDXL checkpoint with its VAE and text encoder, or a "
                          "diffusers model folder (model_index.json; needs diffusers and transformers): speed "
                          "and fidelity on it (default: the shipped proxy model)")
-    ap.add_argument("--proxy", default=None, metavar="WEIGHTS",
-                    help="a proxy model's weights made by `python -m tome_core.bench.proxy train` (another seed "
-                         "or stages) instead of the shipped ones")
+    ap.add_argument("--proxy", nargs="+", default=None, metavar="WEIGHTS",
+                    help="proxy models' weights made by 'python -m tome_core.bench.proxy train' (other seeds or "
+                         "stages), measured instead of the three shipped ones")
     ap.add_argument("--prediction", default="auto", choices=["auto", "eps", "v"],
                     help="what the checkpoint's U-Net predicts (default: read off the file)")
     ap.add_argument("--sizes", nargs="+", type=int, default=None,
@@ -73,13 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: 2 3 4 on a trained model, 2 with --models)")
     ap.add_argument("--steps", type=int, default=20, help="Euler steps of the fidelity run (default 20)")
     ap.add_argument("--images", type=int, default=None,
-                    help="images per fidelity run, compared together (default: 4 on the proxy, where they are "
-                         "cheap and one picture's luck averages out; 1 on a checkpoint)")
+                    help=f"images per model, each compared on its own: the tables give the median and the range "
+                         f"(default: {PROXY_IMAGES} on each proxy; 1 on a checkpoint)")
     ap.add_argument("--seed", type=int, default=0, help="noise and partition seed (default 0)")
     ap.add_argument("--fidelity", action=argparse.BooleanOptionalAction, default=True,
                     help="sample and compare pictures on a trained model (default: on; --no-fidelity times only)")
-    ap.add_argument("--sheet", default="tome-fidelity.png",
-                    help="where to write the images side by side (default tome-fidelity.png; '' for none)")
+    ap.add_argument("--sheet", default=DEFAULT_SHEET,
+                    help=f"where to write the first model's images side by side, with their amplified "
+                         f"differences (default: {DEFAULT_SHEET} in the current folder; '' for none)")
     ap.add_argument("--batch", type=int, default=2, help="U-Net batch (2 = one image with cond and uncond)")
     ap.add_argument("--max-downsample", type=int, default=None, choices=[1, 2, 4, 8],
                     help="default: the model's highest-resolution attention level")
@@ -89,9 +99,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"the single-block and overhead probes run at least {CHEAP_ROUNDS})")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     ap.add_argument("--width", type=float, default=1.0, help="scale every channel count (for quick runs)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["unet", "block", "overhead", "memory"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["unet", "block", "overhead", "memory"],
+                    help="with --models, leave out these measurements: the whole U-Net step, the single top "
+                         "transformer, the merge overhead probe, the peak-memory probe")
     ap.add_argument("--memory-size", type=int, default=2048,
                     help="px for the peak-memory probe of one top block (0: skip it)")
+    ap.add_argument("--size-weighted", action="store_true",
+                    help="also race ToMe and Local with size-weighted keys (\"ToMe +sw\", \"Local +sw\": a key "
+                         "that stands for k tokens adds log k to its attention logit) at each ratio")
     ap.add_argument("--no-tomesd", action="store_true", help="leave tomesd out even when installed")
     ap.add_argument("--no-ideal", action="store_true", help="leave the ideal out")
     ap.add_argument("--plot", default=None,
@@ -99,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "with --models)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--_peak-child", nargs=6, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return ap
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -153,8 +168,9 @@ def check_args(args: argparse.Namespace) -> None:
                          "--checkpoint a trained model)")
     if args.proxy is not None and (args.models is not None or args.checkpoint is not None):
         raise UsageError("--proxy with --models or --checkpoint: give one model to measure")
-    if args.proxy is not None and not os.path.isfile(args.proxy):
-        raise UsageError(f"--proxy {args.proxy}: no such file")
+    for path in args.proxy or []:
+        if not os.path.isfile(path):
+            raise UsageError(f"--proxy {path}: no such file")
     args.defaulted = {name for name in ("ratios", "todo_factors") if getattr(args, name) is None}
     if args.ratios is None:
         args.ratios = [0.25, 0.5, 0.75] if trained else [0.5]
@@ -173,7 +189,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: at least 1 step is needed")
     if args.images is None:
-        args.images = 4 if args.checkpoint is None else 1
+        args.images = PROXY_IMAGES if args.checkpoint is None else 1
     if args.images < 1:
         raise UsageError(f"--images {args.images}: at least 1 is needed")
     if args.batch < 1:
@@ -292,19 +308,48 @@ RANDOM_NOTE = ("Random weights: no fidelity figure (a random U-Net's pictures ca
                "rank nothing); run without --models (the shipped proxy) or with --checkpoint for PSNR and SSIM.")
 
 
-def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Pipeline | None:
-    """The checkpoint's pipeline, or the shipped proxy's; None when this build has no proxy. Raises
-    ``CheckpointError`` (one line) for a file that cannot be used."""
+def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+                 ) -> list[tuple[str, Pipeline]] | None:
+    """The models to measure, each with what the tables call it: the checkpoint's pipeline, or the proxies
+    (``--proxy``'s, else the shipped ones); None when this build has no proxy. Raises ``CheckpointError`` or
+    ``UsageError`` (one line) for a file that cannot be used."""
     if args.checkpoint is not None:
         from . import checkpoint, diffusers_folder
 
-        if diffusers_folder.is_diffusers_folder(args.checkpoint):
-            return diffusers_folder.load_pipeline(args.checkpoint, device, dtype, prediction=args.prediction)
         loader = getattr(checkpoint, "load_pipeline", None)
-        if loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
-            return _unet_only_pipeline(args.checkpoint, device, dtype)
-        return loader(args.checkpoint, device, dtype, prediction=args.prediction)
-    return load_proxy_pipeline(device, dtype, args.proxy)
+        if diffusers_folder.is_diffusers_folder(args.checkpoint):
+            pipe = diffusers_folder.load_pipeline(args.checkpoint, device, dtype, prediction=args.prediction)
+        elif loader is None:  # a build without full-checkpoint loading: its U-Net alone, latents compared
+            pipe = _unet_only_pipeline(args.checkpoint, device, dtype)
+        else:
+            pipe = loader(args.checkpoint, device, dtype, prediction=args.prediction)
+        return [(pipe.label, pipe)]
+    return load_proxies(device, dtype, args.proxy)
+
+
+def load_proxies(device: torch.device, dtype: torch.dtype, paths: list[str] | None = None
+                 ) -> list[tuple[str, Pipeline]] | None:
+    """Each proxy of ``paths`` (default: every shipped one) with its label ("seed 1"); None when this build
+    has no proxy; ``UsageError`` (one line) for weights that are missing or do not fit."""
+    try:
+        from . import proxy
+    except ImportError:
+        return None
+    missing: list[str] = []
+    if paths is None:
+        finder = getattr(proxy, "shipped_weights", None)
+        paths, missing = finder() if finder is not None else ([None], [])
+        paths = paths or [None]  # none here: the first one's own refusal says how to make it
+    describe = getattr(proxy, "describe", None)
+    out = []
+    for path in paths:
+        pipe = load_proxy_pipeline(device, dtype, path)
+        label = describe(path) if describe is not None else (os.path.basename(path) if path else pipe.label)
+        out.append((label, pipe))
+    for path in missing:  # a checkout without one of them still runs, on the others, and says so
+        out[0][1].notes.append(f"shipped proxy {os.path.basename(path)} is missing, so not measured: "
+                               f"{proxy.train_command(path)}")
+    return out
 
 
 def load_proxy_pipeline(device: torch.device, dtype: torch.dtype, path: str | None = None) -> Pipeline | None:
@@ -317,12 +362,17 @@ def load_proxy_pipeline(device: torch.device, dtype: torch.dtype, path: str | No
     try:
         pipe = proxy.load_proxy(device=device, dtype=dtype, path=path)
     except (OSError, ValueError) as error:  # weights missing, unreadable or of another architecture
-        raise UsageError(_first_line(error)) from None
+        given = path is not None and not _shipped(proxy, path)
+        raise UsageError(("--proxy " if given else "") + _first_line(error)) from None
     if getattr(pipe, "size", None) is None:
         pipe.size = getattr(proxy, "EVAL_SIZE", 64)
-    if path is not None:
+    if path is not None and not _shipped(proxy, path):
         pipe.notes = list(pipe.notes) + [f"proxy weights: {path}"]
     return pipe
+
+
+def _shipped(proxy, path: str) -> bool:
+    return os.path.abspath(path) in {os.path.abspath(p) for p in getattr(proxy, "SHIPPED_WEIGHTS", ())}
 
 
 def _unet_only_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Pipeline:
@@ -333,14 +383,19 @@ def _unet_only_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> 
                     notes=["this build reads the U-Net only: zero conditioning, sampled latents compared"])
 
 
-def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace) -> str:
+def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace, models: int = 1) -> str:
     if pictures_on_tensors is None:
         return "Fidelity not measured (--no-fidelity)." if args.models is None else RANDOM_NOTE
     what = ("the sampled tensors (no decoder), mapped to [0, 1] by the unmerged one's range"
             if pictures_on_tensors else "the decoded images")
-    return (f"PSNR, SSIM: {what} after {args.steps} Euler steps from the same noise (seed {args.seed}, "
-            f"{args.images} image{'s' if args.images > 1 else ''}), against no merging's; ∞ and 1.000 = "
-            f"identical.")
+    images = f"{args.images} image{'s' if args.images > 1 else ''}"
+    over = (f"the median over {images} (their range)" if models == 1 else
+            f"on each of {models} proxies the median over its {images}; here the median of the proxies' "
+            f"medians (their range)")
+    return (f"PSNR, SSIM: {what} after {args.steps} Euler steps from the same noise (seed {args.seed}), "
+            f"against no merging's, each image on its own; step dB: each step's prediction along the unmerged "
+            f"run's own trajectory (the same input for both), −10·log10 of the noise estimate's squared error "
+            f"relative to its power, averaged over the steps; {over}. ∞ and 1.000 = identical.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,17 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if device.type == "cpu" else torch.float16)
     archs.use_webui_unet()
     command = f"# command: {PROG} {' '.join(argv if argv is not None else sys.argv[1:])}"
-    pipe = None
+    pipes = None
     if args.models is None:
         try:
-            pipe = load_trained(args, device, dtype)
-            if pipe is not None:
-                args.sizes = args.sizes or default_sizes(pipe)
-                check_pipeline_sizes(pipe, args.sizes, args.max_downsample, args.fidelity)
+            pipes = load_trained(args, device, dtype)
+            if pipes is not None:
+                args.sizes = args.sizes or default_sizes(pipes[0][1])
+                for _, pipe in pipes:
+                    check_pipeline_sizes(pipe, args.sizes, args.max_downsample, args.fidelity)
         except (CheckpointError, UsageError) as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
-        if pipe is None:  # no proxy in this build: the architecture speed run it replaced
+        if pipes is None:  # no proxy in this build: the architecture speed run it replaced
             args.models, args.sheet = ["sd15"], ""
             args.ratios = None if "ratios" in args.defaulted else args.ratios
             args.todo_factors = None if "todo_factors" in args.defaulted else args.todo_factors
@@ -385,8 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             print("# the shipped proxy model is not in this build: timing the sd15 architecture with random "
                   "weights instead (speed only)")
     cap = ratio_cap(STRIDE, STRIDE)
-    if pipe is not None:
-        return run_trained(args, pipe, device, dtype, command, cap)
+    if pipes is not None:
+        return run_trained(args, pipes, device, dtype, command, cap)
     return run_architectures(args, device, dtype, command, cap)
 
 
@@ -397,55 +453,101 @@ def _cap_lines(args: argparse.Namespace, cap: float) -> None:
                   f"so {cap:.2f} is used (the tables show the ratio used)")
 
 
-def run_trained(args: argparse.Namespace, pipe: Pipeline, device: torch.device, dtype: torch.dtype, command: str,
-                cap: float) -> int:
-    """Fidelity and speed on a trained model, at each size."""
-    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
+def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], device: torch.device,
+                dtype: torch.dtype, command: str, cap: float) -> int:
+    """Fidelity on each trained model and speed on the first, at each size; with several models, each one's
+    figures, their median and the orderings that hold on every one."""
+    from .replicate import across
+
+    labels = [label for label, _ in pipes]
+    pipe = pipes[0][1]
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted)
     racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
-                              "tomesd" in names, "ideal" in names)
+                              "tomesd" in names, "ideal" in names, args.size_weighted)
     print(f"# ToMe benchmark: {pipe.name}, {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP "
           f"attention, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, methods: "
           f"{', '.join(names)}")
     print(command)
-    for note in pipe.notes:
+    if len(pipes) > 1:
+        print(f"# models: {len(pipes)} proxies ({', '.join(labels)}), the same architecture: fidelity measured "
+              f"on each, speed timed on the first")
+    for note in dict.fromkeys(note for _, p in pipes for note in p.notes):
         print(f"# note: {note}")
     if "tomesd" in names and args.fidelity:
         print("# tomesd draws its random partition from a generator forked off torch's global RNG at its first "
               f"call; the global RNG is seeded ({args.seed}) before each sampling run, so its pictures repeat")
+    if args.sheet:
+        print(f"# writes {os.path.abspath(args.sheet)}: the pictures side by side (--sheet '' for none)")
     _cap_lines(args, cap)
     sampled = racers - jobs.ideals_per_ratio("ideal" in names) * len(jobs.effective_ratios(args.ratios))
-    total = len(args.sizes) * ((args.repeats + 1) * racers + sampled * args.fidelity)
+    total = len(args.sizes) * ((args.repeats + 1) * racers + 2 * sampled * len(pipes) * args.fidelity)
     setup = Setup(device, dtype, progress_bar(total, not args.quiet))
-    cases, pictures = [], []
+    cases, pictures, per_size = [], [], []
     for size in args.sizes:
+        others = [jobs.measure_fidelity(args, setup, at_size(p, size), size)[0] for _, p in pipes[1:]
+                  if args.fidelity]
         case, pics = jobs.bench_pipeline(args, setup, at_size(pipe, size), size)
+        per_model = [case.fidelity] + others if case.fidelity is not None else []
+        if len(per_model) > 1:
+            case.fidelity = across(per_model)
         cases.append(case)
         pictures.append(pics)
+        per_size.append(per_model)
     setup.progress.close()
     on_tensors = pictures[0].on_tensors if pictures[0] is not None else None
     print("\n" + table(cases, f"{pipe.label}: speed and fidelity, one U-Net call and {args.steps} Euler steps",
-                       fidelity_note(on_tensors, args)))
+                       fidelity_note(on_tensors, args, len(pipes))))
+    if len(pipes) > 1 and args.fidelity:
+        for case, per_model in zip(cases, per_size):
+            print("\n" + "\n".join(replicated_lines(case, labels, per_model)))
     busy = finish(args, case_timings(cases, "U-Net"), setup.load(), True)
     if args.sheet and pictures[0] is not None:
         from .sheet import write_case_sheet
 
-        for case, pics in zip(cases, pictures):
+        for case, pics, per_model in zip(cases, pictures, per_size):
             path = _per_size(args.sheet, case.size, len(cases))
             what = "sampled tensors (no decoder)" if pics.on_tensors else "images"
-            write_case_sheet(path, case, pics, f"{pipe.label}, {case.size} px, {args.steps} Euler steps, seed "
-                             f"{args.seed}: {what}; caption: setting, speed-up, PSNR, SSIM")
-            print(f"side-by-side images written to {path}")
+            model = f"{pipe.label} {labels[0]}" if len(pipes) > 1 else pipe.label
+            write_case_sheet(path, case, pics, f"{model}, {case.size} px, {args.steps} Euler steps, seed "
+                             f"{args.seed}: {what} (the first); caption: setting, speed-up; PSNR, SSIM; step dB "
+                             f"(medians over its {args.images} image{'s' if args.images > 1 else ''})",
+                             fidelity=per_model[0])
+            print(f"side-by-side images written to {os.path.abspath(path)}")
     if args.plot:
         from .chart import write_speed_chart, write_tradeoff_chart
 
-        title = (f"{pipe.label}: speed-up of one U-Net call (batch {args.batch}, {dtype_name(dtype)}) against PSNR "
-                 f"after {args.steps} Euler steps from seed {args.seed}\n{hardware(device)}")
+        over = f"median of {len(pipes)} proxies, bars: their range" if len(pipes) > 1 else \
+            f"median of {args.images} images, bars: their range"
+        title = (f"{pipe.label}: speed-up of one U-Net call (batch {args.batch}, {dtype_name(dtype)}) against "
+                 f"fidelity after {args.steps} Euler steps from seed {args.seed} ({over})\n{hardware(device)}")
         if on_tensors is None:
             write_speed_chart(cases, args.plot, title, busy)
         else:
             write_tradeoff_chart(cases, args.plot, title, busy)
-        print(f"chart written to {args.plot}")
+        print(f"chart written to {os.path.abspath(args.plot)}")
     return 0
+
+
+def replicated_lines(case: Case, labels: list[str], per_model: list) -> list[str]:
+    """Each model's figures (medians over its images, with their range) and their median, for each measure,
+    and the orderings that hold on every model."""
+    from .replicate import TITLES, orderings, orderings_lines, per_model_table
+
+    entries = [e for e in case.entries if e.name in per_model[0]]
+    lines = []
+    for measure in ("psnr", "step", "ssim"):
+        lines += [f"## {case.model} at {case.size} px, {TITLES[measure]} on each proxy", "",
+                  f"Median over each proxy's {per_model[0]['none'].draws} images (their range), and the median "
+                  f"of the {len(labels)} proxies' medians.", ""]
+        lines += per_model_table(labels, per_model, entries, measure) + [""]
+    lines += [f"## {case.model} at {case.size} px: orderings that hold on every proxy ({', '.join(labels)})", "",
+              "A is closer to the unmerged run than B on every proxy (strictly, by the proxy's median); every "
+              "other pair is ordered differently on some proxy, or tied.", ""]
+    names = [e.name for e in entries if e.method != "none"]
+    by_name = {e.name: e for e in entries}
+    for measure in ("psnr", "step"):
+        lines += orderings_lines(orderings(per_model, names, measure), by_name, len(labels)) + [""]
+    return lines[:-1]
 
 
 def at_size(pipe: Pipeline, size: int) -> Pipeline:
@@ -469,14 +571,14 @@ def run_architectures(args: argparse.Namespace, device: torch.device, dtype: tor
     """The webui's architectures with random weights: speed only."""
     if args.sizes is None:
         args.sizes = [512, 768] if device.type == "cpu" else [512, 768, 1024]
-    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal)
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted)
     print(f"# ToMe benchmark: {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP attention, "
           f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, "
           f"methods: {', '.join(names)}; random weights: speed only")
     print(command)
     _cap_lines(args, cap)
     racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
-                              "tomesd" in names, "ideal" in names)
+                              "tomesd" in names, "ideal" in names, args.size_weighted)
     per_case = len(args.models) * len(args.sizes) * racers
     total = per_case * ((args.repeats + 1) * ("unet" not in args.skip)
                         + (max(args.repeats, CHEAP_ROUNDS) + 1) * ("block" not in args.skip))

@@ -160,6 +160,9 @@ def _repeater(kept: dict):
     return hook
 
 
+SIZE_WEIGHTED = "+sw"  # what the tables add to a method's name when its keys are size-weighted
+
+
 def setting_name(method: str, setting: str) -> str:
     """A contender's unique name in a roster."""
     return method if method == "none" else f"{method} {setting}"
@@ -168,10 +171,12 @@ def setting_name(method: str, setting: str) -> str:
 def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = True, seed: int = 0,
            max_downsample: int | None = None, tomesd_max_downsample: int = 1, with_tomesd: bool = True,
            with_ideal: bool = True, tomesd_setup: Callable[[nn.Module], None] | None = None,
-           with_local: bool = True) -> list[Contender]:
+           with_local: bool = True, with_size_weighted: bool = False) -> list[Contender]:
     """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; Local at
-    each ratio; tomesd at each ratio (when installed and wanted, with the same options); the ideal at each
-    ratio, and (with Local) the keys-and-values ideal at each ratio.
+    each ratio; with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio (``size_weighted_keys``:
+    a key that stands for k tokens adds log k to its attention logit); tomesd at each ratio (when installed and
+    wanted, with the same options); the ideal at each ratio, and (with Local) the keys-and-values ideal at each
+    ratio.
 
     ToMe's and ToDo's random partition is keyed on ``seed``. tomesd draws its partition from a generator it
     forks off torch's global RNG at its first call: seed the global RNG before a run to make it repeatable.
@@ -195,6 +200,15 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
             out.append(labelled("Local", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
                 m, method="local", ratio=r, max_downsample=max_downsample), tome_core.remove_patch,
                 kv_ideal_of(ratio)))
+    if with_size_weighted:
+        for ratio in ratios:
+            out.append(labelled(f"ToMe {SIZE_WEIGHTED}", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
+                m, ratio=r, max_downsample=max_downsample, use_rand=use_rand, seed=seed, size_weighted_keys=True),
+                tome_core.remove_patch, ideal_of(ratio)))
+        for ratio in ratios if with_local else ():
+            out.append(labelled(f"Local {SIZE_WEIGHTED}", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
+                m, method="local", ratio=r, max_downsample=max_downsample, size_weighted_keys=True),
+                tome_core.remove_patch, kv_ideal_of(ratio)))
     if with_tomesd and tomesd_available():
         import tomesd
 

@@ -19,11 +19,12 @@ from tome_core.options import effective_ratio
 from tome_core.patch import transformer_levels
 
 from . import archs
-from .contenders import Contender, Wrapped, roster, tomesd_available
+from .contenders import SIZE_WEIGHTED, Contender, Wrapped, roster, tomesd_available
 from .fidelity import Pictures, sample_pictures
 from .opcount import OpCount, count_ops, ops_per_block
 from .pipeline import Pipeline
-from .report import Case, Entry, Load, worst_load
+from .report import Case, Entry, Fidelity, Load, worst_load
+from .stepwise import step_errors
 from .timing import CpuWatch, Spread, interleaved_rounds, model_timer, spreads
 
 STRIDE = 2  # sx = sy = 2, the default of ours and tomesd
@@ -55,17 +56,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def contender_names(with_tomesd: bool = True, with_ideal: bool = True) -> list[str]:
+def contender_names(with_tomesd: bool = True, with_ideal: bool = True, with_size_weighted: bool = False
+                    ) -> list[str]:
     """The methods a run will race, in their order."""
-    return (["none", "ToMe", "ToDo", "Local"] + (["tomesd"] if with_tomesd and tomesd_available() else [])
+    weighted = [f"ToMe {SIZE_WEIGHTED}", f"Local {SIZE_WEIGHTED}"] if with_size_weighted else []
+    return (["none", "ToMe", "ToDo", "Local"] + weighted + (["tomesd"] if with_tomesd and tomesd_available() else [])
             + (["ideal"] if with_ideal else []))
 
 
-def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True) -> int:
+def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True,
+                with_size_weighted: bool = False) -> int:
     """How many contenders a roster of ``ratios`` ratios and ``todo_factors`` factors holds."""
     names = contender_names(with_tomesd, with_ideal)
-    # Per ratio: ToMe and Local, tomesd, the ideal and the keys-and-values ideal.
-    return 1 + ratios * (2 + ("tomesd" in names) + ideals_per_ratio("ideal" in names)) + todo_factors
+    # Per ratio: ToMe and Local (and each size-weighted), tomesd, the ideal and the keys-and-values ideal.
+    return 1 + ratios * (2 + 2 * with_size_weighted + ("tomesd" in names) + ideals_per_ratio("ideal" in names)) \
+        + todo_factors
 
 
 def ideals_per_ratio(with_ideal: bool) -> int:
@@ -132,7 +137,8 @@ def entries(racers: list[Contender]) -> list[Entry]:
 def racers_for(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_setup=None) -> list[Contender]:
     return roster(effective_ratios(args.ratios), args.todo_factors, use_rand=not args.no_rand, seed=args.seed,
                   max_downsample=args.max_downsample, tomesd_max_downsample=tomesd_max_downsample,
-                  with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup)
+                  with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup,
+                  with_size_weighted=getattr(args, "size_weighted", False))
 
 
 def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = None) -> list[Case]:
@@ -196,11 +202,7 @@ def bench_pipeline(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size:
     wrapped = Wrapped(unet)
     level = min((lv for _, _, lv in transformer_levels(unet)), default=0)
     racers = racers_for(args, args.max_downsample or 2 ** level)
-    pictures = None
-    if args.fidelity:
-        setup.progress.set_postfix_str(f"sampling {size} px, {args.steps} steps")
-        pictures = sample_pictures(pipe, racers, size, args.steps, args.seed, args.images, setup.device,
-                                   on_done=lambda name: setup.progress.update())
+    fidelity, pictures = measure_fidelity(args, setup, pipe, size, racers) if args.fidelity else (None, None)
     side = size // pipe.downscale
     gen = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(args.batch, pipe.channels, side, side, generator=gen).to(setup.device, setup.dtype)
@@ -211,5 +213,21 @@ def bench_pipeline(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size:
     ops: dict[str, float | None] = {}
     ms = race(f"{pipe.label} {size} px", wrapped, lambda: unet(x, t, **kwargs), racers, setup, args.repeats,
               ops=ops)
-    fidelity = pictures.fidelity() if pictures is not None else None
     return Case(pipe.label, size, entries(racers), ms, fidelity, ops), pictures
+
+
+def measure_fidelity(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size: int,
+                     racers: list[Contender] | None = None) -> tuple[dict[str, Fidelity], Pictures]:
+    """Both fidelity figures of every contender on ``pipe`` at ``size`` px, image by image: the final pictures
+    after ``args.steps`` Euler steps (``fidelity``) and one step's prediction along the unmerged trajectory
+    (``stepwise``). Two U-Net passes of ``args.steps`` calls per contender."""
+    if racers is None:
+        level = min((lv for _, _, lv in transformer_levels(pipe.unet)), default=0)
+        racers = racers_for(args, args.max_downsample or 2 ** level)
+    setup.progress.set_postfix_str(f"{pipe.label}: sampling {size} px, {args.steps} steps")
+    pictures = sample_pictures(pipe, racers, size, args.steps, args.seed, args.images, setup.device,
+                               on_done=lambda name: setup.progress.update())
+    setup.progress.set_postfix_str(f"{pipe.label}: each step's prediction, {size} px")
+    steps = step_errors(pipe, racers, pictures.trajectory, args.seed, setup.device,
+                        on_done=lambda name: setup.progress.update())
+    return pictures.fidelity(steps=steps), pictures

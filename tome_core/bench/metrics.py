@@ -61,6 +61,18 @@ def ssim(image: torch.Tensor, reference: torch.Tensor, data_range: float = 1.0) 
     return s.reshape(n, c, -1).mean(2).mean().item()
 
 
+def psnr_each(image: torch.Tensor, reference: torch.Tensor, data_range: float = 1.0) -> list[float]:
+    """``psnr`` of each image of a batch (B, C, H, W) against its own reference: B values."""
+    a, b = _batched(image, reference)
+    return [psnr(a[i], b[i], data_range) for i in range(a.shape[0])]
+
+
+def ssim_each(image: torch.Tensor, reference: torch.Tensor, data_range: float = 1.0) -> list[float]:
+    """``ssim`` of each image of a batch (B, C, H, W) against its own reference: B values."""
+    a, b = _batched(image, reference)
+    return [ssim(a[i], b[i], data_range) for i in range(a.shape[0])]
+
+
 def _batched(image: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if image.shape != reference.shape:
         raise ValueError(f"images of different shapes: {tuple(image.shape)} and {tuple(reference.shape)}")

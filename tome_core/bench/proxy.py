@@ -39,7 +39,25 @@ from torch import nn
 
 from .pipeline import Pipeline, sd_alphas_cumprod
 
-WEIGHTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "proxy_weights.safetensors")
+HERE = os.path.dirname(os.path.abspath(__file__))
+WEIGHTS_FILE = os.path.join(HERE, "proxy_weights.safetensors")  # seed 0, the first of the shipped proxies
+# Every shipped proxy, each trained by ``train`` with the default stages from its own seed: the default run
+# measures fidelity on each, since one proxy's figures do not all replicate on another.
+SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(HERE, "proxy_weights_seed1.safetensors"),
+                   os.path.join(HERE, "proxy_weights_seed2.safetensors"))
+
+
+def shipped_weights() -> tuple[list[str], list[str]]:
+    """The shipped proxies' weight files that are here, and those that are not (each missing one is made by
+    ``train --seed K --out PATH``, K its place in ``SHIPPED_WEIGHTS``)."""
+    here = [p for p in SHIPPED_WEIGHTS if os.path.isfile(p)]
+    return here, [p for p in SHIPPED_WEIGHTS if p not in here]
+
+
+def train_command(path: str) -> str:
+    """The command that makes the shipped proxy file ``path`` again."""
+    seed = SHIPPED_WEIGHTS.index(path) if path in SHIPPED_WEIGHTS else 0
+    return f"python -m tome_core.bench.proxy train --seed {seed} --out {path}"
 EVAL_SIZE = 64  # px per side at which fidelity runs and tests use the model: 4,096 tokens at the top level
 CONTEXT_TOKENS, CONTEXT_DIM = 4, 32
 
@@ -256,17 +274,13 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     if not os.path.isfile(path):
         raise FileNotFoundError(f"the proxy model's weights are missing: {path}. They ship with this extension; "
                                 f"restore the file (git checkout -- {os.path.basename(path)}) or train it again: "
-                                f"python -m tome_core.bench.proxy train --seed 0 --out {path}")
-    from safetensors import safe_open
+                                f"{train_command(path)}")
     from safetensors.torch import load_file
 
     from .archs import in_run_dtype, use_webui_unet
 
-    with safe_open(path, framework="pt") as f:
-        arch = json.loads((f.metadata() or {}).get("arch", "null"))
-    if arch != PROXY_ARCH:
-        raise ValueError(f"{path} holds a proxy of another architecture ({arch}); this code builds {PROXY_ARCH}. "
-                         f"Train it again: python -m tome_core.bench.proxy train --seed 0 --out {path}")
+    metadata = read_metadata(path)
+    check_arch(path, metadata)
     use_webui_unet()
     state = {k: v.float() for k, v in load_file(path).items()}
     context = state.pop("context")
@@ -277,6 +291,53 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
                     context=context.to(device, dtype), prediction="eps", channels=3, downscale=1,
                     decode=lambda x: ((x.float() + 1) / 2).clamp(0, 1),
                     notes=["shipped proxy model: ranks methods, not an FID"])
+
+
+MAKE_ONE = "make one with: python -m tome_core.bench.proxy train --seed N --out proxy-seedN.safetensors"
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The safetensors header's metadata of ``path``; ValueError (one line) when the file is not a safetensors
+    file at all."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as error:  # safetensors' own SafetensorError (HeaderTooLarge, ...), or an OSError
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: not a safetensors file ({reason}); a proxy's weights are a .safetensors file "
+                         f"that {MAKE_ONE}") from None
+
+
+def check_arch(path: str, metadata: dict[str, str]) -> None:
+    """ValueError (one line) unless ``metadata`` names this code's proxy architecture: which settings differ,
+    not the whole architecture."""
+    try:
+        arch = json.loads(metadata.get("arch", "null"))
+    except ValueError:
+        arch = None
+    if arch == PROXY_ARCH:
+        return
+    if not isinstance(arch, dict):
+        raise ValueError(f"{path}: a safetensors file, but not a proxy model's weights (no proxy architecture "
+                         f"in its metadata); {MAKE_ONE}")
+    differ = [f"{k} {arch.get(k, '(none)')} where this code builds {PROXY_ARCH[k]}" for k in PROXY_ARCH
+              if arch.get(k) != PROXY_ARCH[k]] + [f"{k} (unknown here)" for k in arch if k not in PROXY_ARCH]
+    shown = "; ".join(differ[:2]) + (f"; and {len(differ) - 2} more" if len(differ) > 2 else "")
+    raise ValueError(f"{path}: a proxy of another architecture ({shown}); {MAKE_ONE}")
+
+
+def describe(path: str | None) -> str:
+    """What the tables call a proxy: "seed N" from its metadata (made by ``train``), else its file name."""
+    path = path or WEIGHTS_FILE
+    try:
+        seed = read_metadata(path).get("seed")
+    except ValueError:
+        seed = None
+    name = f"seed {seed}" if seed is not None else os.path.basename(path)
+    shipped = os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS}
+    return name if shipped or seed is None else f"{name} ({os.path.basename(path)})"
 
 
 # -- samples grid -----------------------------------------------------------------------------------------------

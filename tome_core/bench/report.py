@@ -30,10 +30,17 @@ def share_of_ideal(speedup: float, ideal: float) -> float | None:
 
 @dataclass(frozen=True)
 class Fidelity:
-    """How far a contender's final picture moved from the unmerged one's (same noise, same steps)."""
+    """How far a contender's final picture moved from the unmerged one's (same noise, same steps), and how far
+    one step's prediction moved along the unmerged trajectory (``stepwise``): each a median over draws (the
+    images of one model, or the proxy models) with the draws' range (low, high) beside it."""
 
     psnr: float  # dB, inf when identical
     ssim: float  # 1 when identical
+    step: float | None = None  # dB (stepwise), inf when no step moved; None: not measured
+    psnr_range: tuple[float, float] | None = None
+    ssim_range: tuple[float, float] | None = None
+    step_range: tuple[float, float] | None = None
+    draws: int = 1  # how many values each median is of
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,18 @@ def psnr_cell(value: float | None) -> str:
     return "∞" if math.isinf(value) else f"{value:.1f}"
 
 
+def figure_cell(value: float | None, spread: tuple[float, float] | None = None, digits: int = 1) -> str:
+    """"45.6 (43.1–48.0)": a median and, when the draws differ, their range; ∞ for identical, – for none."""
+    def number(v: float) -> str:
+        return "∞" if math.isinf(v) else f"{v:.{digits}f}"
+
+    if value is None:
+        return "–"
+    if spread is None or number(spread[0]) == number(spread[1]):
+        return number(value)
+    return f"{number(value)} ({number(spread[0])}–{number(spread[1])})"
+
+
 def table_head(title: str, rounds: str, fidelity_note: str) -> str:
     """A markdown section's title, legend and table head; ``rounds`` says how many rounds (e.g. "5");
     ``fidelity_note`` what the PSNR and SSIM columns compare (or why they are empty)."""
@@ -115,8 +134,8 @@ def table_head(title: str, rounds: str, fidelity_note: str) -> str:
         f"(Local: the keys-and-values ideal, ideal KV), "
         f"– where the ideal gains under {MIN_IDEAL_GAIN:.0%} or nothing beyond its spread; ops/block = "
         f"dispatched operations a patched transformer block adds. {fidelity_note}", "",
-        "| model | px | method | setting | ms | speed-up | share | PSNR dB | SSIM | ops/block |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"])
+        "| model | px | method | setting | ms | speed-up | share | PSNR dB | SSIM | step dB | ops/block |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|"])
 
 
 def table_line(case: Case, entry: Entry) -> str:
@@ -128,8 +147,13 @@ def table_line(case: Case, entry: Entry) -> str:
     else:
         ops_cell = "–" if ops is None else f"{ops:.0f}"
     cells = [case.model, str(case.size), entry.method, entry.setting, ms_cell(case.ms.get(entry.name)),
-             _x(case.speedup(entry.name)), _pct(case.share(entry.name)),
-             psnr_cell(fid.psnr if fid else None), "–" if fid is None else f"{fid.ssim:.3f}", ops_cell]
+             _x(case.speedup(entry.name)), _pct(case.share(entry.name))]
+    if fid is None:
+        cells += ["–", "–", "–"]
+    else:
+        cells += [figure_cell(fid.psnr, fid.psnr_range), figure_cell(fid.ssim, fid.ssim_range, 3),
+                  figure_cell(fid.step, fid.step_range)]
+    cells.append(ops_cell)
     return "| " + " | ".join(cells) + " |"
 
 

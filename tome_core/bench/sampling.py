@@ -25,31 +25,42 @@ def timesteps_and_sigmas(alphas_cumprod: torch.Tensor, steps: int) -> tuple[torc
 
 
 @torch.no_grad()
+def denoise(pipe: Pipeline, x: torch.Tensor, sigma: float, timestep: int) -> torch.Tensor:
+    """The U-Net's estimate of the clean sample (float64, x's shape) from ``x`` (B, channels, h, w), float64,
+    at noise level ``sigma`` (k-diffusion's parametrisation: x = x0 + sigma·ε) and discrete ``timestep``."""
+    dtype = next(pipe.unet.parameters()).dtype
+    device, b = x.device, x.shape[0]
+    context = pipe.context.to(device, dtype).expand(b, *pipe.context.shape[1:])
+    kwargs = {"context": context}
+    if pipe.y is not None:
+        kwargs["y"] = pipe.y.to(device, dtype).expand(b, *pipe.y.shape[1:])
+    scale_in = 1.0 / (sigma ** 2 + 1) ** 0.5
+    t = torch.full((b,), int(timestep), device=device, dtype=torch.long)
+    out = pipe.unet((x * scale_in).to(dtype), t, **kwargs).double()
+    if pipe.prediction == "v":
+        return x / (sigma ** 2 + 1) - out * sigma / (sigma ** 2 + 1) ** 0.5
+    return x - out * sigma
+
+
+@torch.no_grad()
 def euler_sample(pipe: Pipeline, noise: torch.Tensor, steps: int,
-                 before_step: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                 before_step: Callable[[int, int], None] | None = None,
+                 after_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Sample from ``noise`` (B, channels, h, w), unit variance, with ``steps`` Euler steps.
 
-    ``before_step(i, steps)`` runs before each U-Net call (for example to set a step window's progress).
-    Returns the final sample (B, channels, h, w) in the U-Net's dtype.
+    ``before_step(i, steps)`` runs before each U-Net call (for example to set a step window's progress);
+    ``after_step(i, x, denoised)`` after it, with the step's input ``x`` and the U-Net's clean-sample estimate
+    (both float64). Returns the final sample (B, channels, h, w) in the U-Net's dtype.
     """
     ts, sigmas = timesteps_and_sigmas(pipe.alphas_cumprod, steps)
     dtype = next(pipe.unet.parameters()).dtype
-    device = noise.device
-    b = noise.shape[0]
-    context = pipe.context.to(device, dtype).expand(b, *pipe.context.shape[1:])
-    y = None if pipe.y is None else pipe.y.to(device, dtype).expand(b, *pipe.y.shape[1:])
     x = noise.double() * sigmas[0].item()
     for i in range(steps):
         sigma, sigma_next = sigmas[i].item(), sigmas[i + 1].item()
         if before_step is not None:
             before_step(i, steps)
-        scale_in = 1.0 / (sigma ** 2 + 1) ** 0.5
-        t = torch.full((b,), int(ts[i]), device=device, dtype=torch.long)
-        kwargs = {"context": context} if y is None else {"context": context, "y": y}
-        out = pipe.unet((x * scale_in).to(dtype), t, **kwargs).double()
-        if pipe.prediction == "v":
-            denoised = x / (sigma ** 2 + 1) - out * sigma / (sigma ** 2 + 1) ** 0.5
-        else:
-            denoised = x - out * sigma
+        denoised = denoise(pipe, x, sigma, int(ts[i]))
+        if after_step is not None:
+            after_step(i, x, denoised)
         x = x + (x - denoised) / sigma * (sigma_next - sigma)
     return x.to(dtype)

@@ -1,15 +1,19 @@
 """The side-by-side picture of a fidelity run: one row per method, one column per setting, the unmerged image
-first in every row, each tile captioned, so the eye can judge what the PSNR and SSIM figures say."""
+first in every row, each tile captioned, so the eye can judge what the PSNR and SSIM figures say; under each
+method's row its differences from the unmerged image, amplified by one gain for the whole sheet (at 40 dB and
+above no eye sees a difference in the pictures themselves)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 PAD = 6
 LABEL_WIDTH = 90  # the method's name at the left of its row
-CAPTION = 30  # two caption lines under each tile
+LINE = 13  # px per caption line
+CAPTION = 3 * LINE + 4  # three caption lines under each tile
 TITLE = 18
 MIN_TILE, MAX_TILE = 160, 320
 
@@ -70,33 +74,65 @@ def write_sheet(path: str, title: str, rows: list[tuple[str, list[Tile]]]) -> tu
         for c, item in enumerate(tiles):
             left = LABEL_WIDTH + PAD + c * (tile + PAD)
             sheet.paste(to_pil(item.image, tile), (left, top))
-            for k, line in enumerate(item.caption[:2]):
-                draw.text((left, top + tile + 2 + 13 * k), line, fill="black", font=font)
+            for k, line in enumerate(item.caption[:3]):
+                draw.text((left, top + tile + 2 + LINE * k), line, fill="black", font=font)
     sheet.save(path)
     return width, height
 
 
-def case_rows(case, pictures) -> list[tuple[str, list[Tile]]]:
-    """The sheet's rows for one measured case (``report.Case``) and its ``fidelity.Pictures``: a row per method
-    in the case's order, the unmerged image first, each tile captioned with its setting, speed-up, PSNR and
-    SSIM. The first image of a multi-image run is shown."""
-    from .report import psnr_cell
+def difference_gain(images: list[torch.Tensor], reference: torch.Tensor, quantile: float = 0.999) -> float:
+    """One gain for every difference map of a sheet: a round number (1, 2 or 5 times a power of ten) at most
+    1 / the ``quantile`` of every |image − reference| value, so the largest differences (all but the few
+    brightest pixels) just reach white and smaller ones stay comparable across tiles; 1 when nothing moved."""
+    if not images:
+        return 1.0
+    diffs = torch.cat([(img.float() - reference.float()).abs().flatten() for img in images])
+    top = float(torch.quantile(diffs[:2 ** 24], quantile)) if diffs.numel() else 0.0
+    if top <= 0:
+        top = float(diffs.max()) if diffs.numel() else 0.0
+    if top <= 0:
+        return 1.0
+    wanted = 1.0 / top
+    power = 10.0 ** math.floor(math.log10(wanted))
+    return max(1.0, max(m * power for m in (1, 2, 5) if m * power <= wanted * (1 + 1e-9)))
 
-    reference = Tile(pictures.images["none"][0], ("no merging", "reference"))
+
+def difference_map(image: torch.Tensor, reference: torch.Tensor, gain: float) -> torch.Tensor:
+    """(3, H, W) in [0, 1]: the largest |difference| over the channels at each pixel, times ``gain``, grey."""
+    d = (image.float() - reference.float()).abs().amax(0, keepdim=True) * gain
+    return d.clamp(0, 1).expand(3, -1, -1)
+
+
+def case_rows(case, pictures, fidelity=None) -> list[tuple[str, list[Tile]]]:
+    """The sheet's rows for one measured case (``report.Case``) and its ``fidelity.Pictures``: a row per method
+    in the case's order, the unmerged image first, each tile captioned with its setting and speed-up, its PSNR
+    and SSIM, and its step dB (from ``fidelity``, by contender name, default the case's); under each, the
+    row of its amplified differences. The first image of a multi-image run is shown."""
+    from .report import figure_cell
+
+    fidelity = case.fidelity if fidelity is None else fidelity
+    ref = pictures.images["none"][0]
+    reference = Tile(ref, ("no merging", "reference", ""))
     methods = [m for m in dict.fromkeys(e.method for e in case.entries) if m not in ("none", "ideal")]
+    shown = {m: [e for e in case.entries if e.method == m and e.name in pictures.images] for m in methods}
+    gain = difference_gain([pictures.images[e.name][0] for m in methods for e in shown[m]], ref)
     rows = []
     for method in methods:
-        tiles = [reference]
-        for entry in (e for e in case.entries if e.method == method and e.name in pictures.images):
-            fid = (case.fidelity or {}).get(entry.name)
+        tiles, maps = [reference], [Tile(torch.zeros_like(ref), (f"|diff| x{gain:g}", "black: no change", ""))]
+        for entry in shown[method]:
+            fid = (fidelity or {}).get(entry.name)
             speed = case.speedup(entry.name)
             first = f"{entry.setting}" + (f"  {speed:.2f}x" if speed is not None else "")
-            second = "" if fid is None else f"{psnr_cell(fid.psnr)} dB  SSIM {fid.ssim:.3f}"
-            tiles.append(Tile(pictures.images[entry.name][0], (first, second)))
+            second = "" if fid is None else f"{figure_cell(fid.psnr)} dB  SSIM {fid.ssim:.3f}"
+            third = "" if fid is None or fid.step is None else f"step {figure_cell(fid.step)} dB"
+            image = pictures.images[entry.name][0]
+            tiles.append(Tile(image, (first, second, third)))
+            maps.append(Tile(difference_map(image, ref, gain), (entry.setting, "", "")))
         rows.append((method, tiles))
+        rows.append((f"{method} |diff|", maps))
     return rows
 
 
-def write_case_sheet(path: str, case, pictures, title: str) -> tuple[int, int]:
-    """``write_sheet`` of ``case_rows(case, pictures)``."""
-    return write_sheet(path, title, case_rows(case, pictures))
+def write_case_sheet(path: str, case, pictures, title: str, fidelity=None) -> tuple[int, int]:
+    """``write_sheet`` of ``case_rows(case, pictures, fidelity)``."""
+    return write_sheet(path, title, case_rows(case, pictures, fidelity))

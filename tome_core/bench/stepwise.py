@@ -1,0 +1,105 @@
+"""What a method does to one step's prediction, along the unmerged run's own trajectory.
+
+The final-picture figure (``fidelity``) follows each method's own 20-step trajectory: where a merge flips a
+discrete choice early (which token goes where, a texture's phase), the trajectories part and the final pictures
+can differ far more than any one step's prediction did, and by an amount that depends on the model and the
+noise. This measure cannot be amplified that way: at every step of the unmerged run, the patched U-Net is
+given the very input the unmerged one got (the same x_t, timestep and conditioning), and only the two
+predictions are compared.
+
+The figure, per image: the noise each prediction implies, ε = (x_t − x̂0) / σ (what an eps model outputs; a
+v model's output converted), its error relative to the unmerged ε, squared and averaged over the steps, in dB:
+``-10·log10(mean over steps of ‖ε_m − ε‖² / ‖ε‖²)``. 20 dB means a tenth of the prediction moved, 40 dB a
+hundredth; ∞: no step moved. It is measured in the sampled space (latents for SD), no decoder needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .contenders import Contender, Wrapped
+from .pipeline import Pipeline
+from .sampling import denoise, euler_sample, timesteps_and_sigmas
+
+NOT_MEASURED = ("ideal",)  # a speed bound: its repeated tokens predict nothing worth comparing
+
+
+@dataclass
+class Trajectory:
+    """The unmerged run's inputs and predictions at every step: ``inputs`` (steps, B, C, h, w) float64 on the
+    CPU, ``denoised`` likewise, the step's ``sigmas`` (steps,) and integer ``timesteps`` (steps,)."""
+
+    inputs: torch.Tensor
+    denoised: torch.Tensor
+    sigmas: list[float]
+    timesteps: list[int]
+
+    @property
+    def steps(self) -> int:
+        return len(self.sigmas)
+
+
+def reference_trajectory(pipe: Pipeline, noise: torch.Tensor, steps: int) -> tuple[Trajectory, torch.Tensor]:
+    """Sample from ``noise`` unmerged (``pipe.unet`` as it is), recording every step; returns the trajectory
+    and the final sample (as ``euler_sample`` returns it)."""
+    ts, sigmas = timesteps_and_sigmas(pipe.alphas_cumprod, steps)
+    inputs, denoised = [], []
+
+    def record(i: int, x: torch.Tensor, estimate: torch.Tensor) -> None:
+        inputs.append(x.detach().cpu())
+        denoised.append(estimate.detach().cpu())
+
+    final = euler_sample(pipe, noise, steps, after_step=record)
+    return Trajectory(torch.stack(inputs), torch.stack(denoised), [float(s) for s in sigmas[:steps]],
+                      [int(t) for t in ts]), final
+
+
+def relative_error(reference: torch.Tensor, other: torch.Tensor, inputs: torch.Tensor,
+                   sigmas: list[float]) -> torch.Tensor:
+    """Per image (B,): the mean over steps of ‖ε_other − ε_ref‖² / ‖ε_ref‖², where ε = (x_t − x̂0) / σ.
+
+    reference, other: clean-sample estimates (steps, B, C, h, w); inputs: the steps' x_t, same shape."""
+    sig = torch.tensor(sigmas, dtype=torch.float64).view(-1, *([1] * (reference.dim() - 1)))
+    eps_ref = (inputs - reference) / sig
+    eps_other = (inputs - other) / sig
+    error = (eps_other - eps_ref).pow(2).flatten(2).sum(-1)  # (steps, B)
+    power = eps_ref.pow(2).flatten(2).sum(-1).clamp_min(1e-300)
+    return (error / power).mean(0)
+
+
+def to_db(relative: float) -> float:
+    """A mean relative squared error as dB (∞ for none)."""
+    return math.inf if relative <= 0 else -10.0 * math.log10(relative)
+
+
+def step_errors(pipe: Pipeline, racers: list[Contender], trajectory: Trajectory, seed: int = 0,
+                device: torch.device | None = None, on_done=None) -> dict[str, list[float]]:
+    """Each contender's one-step figure in dB per image along ``trajectory`` (no merging: ∞), its U-Net called
+    once per step in the sampling order, as in its own sampling run (the global RNG seeded first, for tomesd's
+    partition generator); ``on_done(name)`` after each."""
+    device = device or next(pipe.unet.parameters()).device
+    wrapped = Wrapped(pipe.unet)
+    out: dict[str, list[float]] = {}
+    for racer in racers:
+        if racer.method in NOT_MEASURED:
+            continue
+        if racer.method == "none":  # the trajectory's own predictions
+            out[racer.name] = [math.inf] * trajectory.inputs.shape[1]
+            if on_done is not None:
+                on_done(racer.name)
+            continue
+        torch.manual_seed(seed)
+        racer.apply(wrapped)
+        try:
+            estimates = torch.stack([denoise(pipe, trajectory.inputs[i].to(device), trajectory.sigmas[i],
+                                             trajectory.timesteps[i]).cpu() for i in range(trajectory.steps)])
+        finally:
+            racer.remove(wrapped)
+        rel = relative_error(trajectory.denoised, estimates, trajectory.inputs, trajectory.sigmas)
+        out[racer.name] = [to_db(float(v)) for v in rel]
+        if on_done is not None:
+            on_done(racer.name)
+    return out
