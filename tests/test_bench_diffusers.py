@@ -19,6 +19,17 @@ from unets import CONTEXT_DIM
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
+@pytest.fixture(autouse=True)
+def webui_unet_for_this_test_only(monkeypatch):
+    """The benchmark patches ldm process-wide as the webui does; take that back after each test here, so other
+    test files see ldm as it is."""
+    from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules import openaimodel
+
+    monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
+    monkeypatch.setattr(openaimodel, "th", openaimodel.th)
+
+
 def _tokenizer(folder):
     from transformers import CLIPTokenizer
 
@@ -109,7 +120,7 @@ def test_folders_that_cannot_be_benchmarked_are_refused_in_one_line(tmp_path, ca
 def test_the_diffusers_architecture_has_sd15s_layout_and_is_patched_alike():
     from tome_core.bench import archs
 
-    archs.use_webui_unet()
+    archs.use_webui_unet()  # undone after the test by the fixture
     ldm, ldm_context = archs.build_unet("sd15", torch.device("cpu"), torch.float32, width=0.1)
     ours, context = archs.build_unet("sd15-diffusers", torch.device("cpu"), torch.float32, width=0.1)
     assert context == ldm_context == 768 and type(tome_core.resolve_unet(ours)).__name__ == "UNet2DConditionModel"
