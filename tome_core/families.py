@@ -11,7 +11,8 @@ is structural and lives here:
   caller may pass it as a keyword;
 - where a self-attention call takes an explicit key/value source;
 - where the U-Net call's timestep is;
-- whether a block's ``attn1`` attends to the image tokens.
+- whether a block's ``attn1`` attends to the image tokens;
+- how an attention call takes an additive bias on its logits (for size-weighted keys), if it takes one.
 
 Everything is found by class names and attributes, never by importing a family's code, so the engine still
 imports none of them, and a third family later is one more entry in ``FAMILIES``.
@@ -33,7 +34,6 @@ class Family:
     """One family of U-Net code.
 
     Attributes:
-        name: how messages name it.
         is_transformer: whether a module is one of the family's transformers on a token grid.
         stages: the U-Net's stages in call order, each with the level change after it (+1 for a downsampling
             stage, -1 for an upsampling one), or None when the module is not one of the family's U-Nets.
@@ -47,7 +47,6 @@ class Family:
             boolean, and the webui's attention kernels drop it): the engine then computes that call itself.
     """
 
-    name: str
     is_transformer: Callable[[nn.Module], bool]
     stages: Callable[[nn.Module], "list[tuple[nn.Module, int]] | None"]
     tokens_keyword: str
@@ -102,7 +101,6 @@ def _diffusers_stages(root: nn.Module) -> list[tuple[nn.Module, int]] | None:
 
 
 LDM = Family(
-    name="ldm/sgm",
     is_transformer=lambda m: type(m).__name__ == "SpatialTransformer" and hasattr(m, "transformer_blocks"),
     stages=_ldm_stages,
     tokens_keyword="x",
@@ -116,7 +114,6 @@ LDM = Family(
 )
 
 DIFFUSERS = Family(
-    name="diffusers",
     # A Transformer2DModel on continuous latents: the U-Net's. Patch-embedded ones (DiT, PixArt) are not.
     is_transformer=lambda m: (type(m).__name__ == "Transformer2DModel" and hasattr(m, "transformer_blocks")
                               and getattr(m, "is_input_continuous", False)),

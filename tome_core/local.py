@@ -82,7 +82,7 @@ class LocalPlan:
             the flattened (B·N, C) input (rows of batch row b stay in b's block).
     """
 
-    __slots__ = ("keep_index", "batch", "tokens", "merged_tokens", "device", "sizes")
+    __slots__ = ("keep_index", "batch", "tokens", "merged_tokens", "device", "sizes", "_log_sizes")
 
     def __init__(self, keep_index: torch.Tensor, batch: int, tokens: int, merged_tokens: int,
                  sizes: torch.Tensor | None = None) -> None:
@@ -90,6 +90,7 @@ class LocalPlan:
         self.batch, self.tokens, self.merged_tokens = batch, tokens, merged_tokens
         self.device = keep_index.device
         self.sizes = sizes  # (B·M,) float32: the tokens each kept row stands for
+        self._log_sizes: torch.Tensor | None = None
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` (B, N, ·) has the batch rows and tokens this plan was made for."""
@@ -102,8 +103,11 @@ class LocalPlan:
         return x.reshape(b * n, c).index_select(0, self.keep_index).view(b, self.merged_tokens, c)
 
     def key_log_sizes(self, dtype: torch.dtype) -> torch.Tensor:
-        """(B, M) log of the tokens each kept row stands for (its group's size), for size-weighted keys."""
-        return self.sizes.to(dtype).log().view(self.batch, self.merged_tokens)
+        """(B, M) log of the tokens each kept row stands for (its group's size), for size-weighted keys; made
+        once per plan, which every patched block of the level shares."""
+        if self._log_sizes is None or self._log_sizes.dtype != dtype:
+            self._log_sizes = self.sizes.to(dtype).log().view(self.batch, self.merged_tokens)
+        return self._log_sizes
 
 
 def _candidate_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ class MergePlan:
         counts: (B·M, 1) float; how many input tokens were averaged into each merged row.
     """
 
-    __slots__ = ("slot_index", "counts", "batch", "tokens", "merged_tokens")
+    __slots__ = ("slot_index", "counts", "batch", "tokens", "merged_tokens", "_log_sizes")
 
     def __init__(self, slot_index: torch.Tensor, counts: torch.Tensor, batch: int, tokens: int,
                  merged_tokens: int) -> None:
@@ -34,6 +34,7 @@ class MergePlan:
         self.batch = batch
         self.tokens = tokens
         self.merged_tokens = merged_tokens
+        self._log_sizes: torch.Tensor | None = None
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether ``x`` (B, N, ·) has the batch rows and tokens this plan was made for."""
@@ -48,8 +49,10 @@ class MergePlan:
 
     def key_log_sizes(self, dtype: torch.dtype) -> torch.Tensor:
         """(B, N - r) log of the tokens each merged row stands for: added to its logit as a key, it weighs the
-        row in softmax as if its tokens were there one by one (proportional attention)."""
-        return self.counts.to(dtype).log().view(self.batch, self.merged_tokens)
+        row in softmax as if its tokens were there one by one (proportional attention). Made once per plan."""
+        if self._log_sizes is None or self._log_sizes.dtype != dtype:
+            self._log_sizes = self.counts.to(dtype).log().view(self.batch, self.merged_tokens)
+        return self._log_sizes
 
     def unmerge(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N - r, C) -> (B, N, C): every merged source takes its destination's value."""

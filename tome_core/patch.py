@@ -388,6 +388,7 @@ def _plan_dropper(patch: TokenMergePatch, rec: _BlockRecord):
         if rec.plan is not None and not rec.used:
             patch.unused_plans += 1
         rec.plan = None
+        rec.key_bias = None  # a bias no attn1 call took (an attn1 replacement) must not reach the next call
     return hook
 
 
@@ -529,11 +530,12 @@ class _BiasedAttention:
     def __call__(self, *args, **kwargs):
         bias, self.rec.key_bias = self.rec.key_bias, None
         m = self.module
-        if bias is None or _slot(args, kwargs, 2, "mask") is not None:
-            return type(m).forward(m, *args, **kwargs)
         x = _first_arg(args, kwargs, "x")
         keys = _slot(args, kwargs, *LDM.kv_slots[0])
         keys = x if keys is None else keys
+        if (bias is None or _slot(args, kwargs, 2, "mask") is not None or not isinstance(keys, torch.Tensor)
+                or bias.shape != keys.shape[:2]):
+            return type(m).forward(m, *args, **kwargs)
         values = kwargs.get("value")
         values = keys if values is None else values
         q, k, v = m.to_q(x), m.to_k(keys), m.to_v(values)
