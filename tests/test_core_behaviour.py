@@ -271,10 +271,10 @@ def test_each_block_draws_its_own_partition(monkeypatch):
     unet = tiny_unet("sd1")
     x, t, c = inputs()
     drawn = []  # the destinations each block's merge plan is built on, in call order
-    original = patch_module.plan_merge
-    monkeypatch.setattr(patch_module, "plan_merge",
-                        lambda metric, src, dst, r, chunk: drawn.append(dst.clone()) or
-                        original(metric, src, dst, r, chunk))
+    original = patch_module.plan_split
+    monkeypatch.setattr(patch_module, "plan_split",
+                        lambda metric, layout, r, chunk: drawn.append(layout.dst.clone()) or
+                        original(metric, layout, r, chunk))
     tome_core.apply_patch(unet, ratio=0.5, seed=3)
     run(unet, x, t, c)
     run(unet, x, t, c)

@@ -69,17 +69,17 @@ def _predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return pipe.unet(x, t, context=pipe.context.expand(x.shape[0], -1, -1))
 
 
-def _random_metric_plan_merge(seed: int):
-    """``plan_merge`` as the engine calls it, but scoring similarity on Gaussian noise instead of the block
+def _random_metric_plan(seed: int):
+    """``plan_split`` as the engine calls it, but scoring similarity on Gaussian noise instead of the block
     input: the same partition, the same number of merged tokens and the same merge/unmerge, with each merged
     source going to a uniformly random destination. What merging costs when it ignores the picture."""
-    real = tome_core.patch.plan_merge
+    real = tome_core.patch.plan_split
     gen = torch.Generator().manual_seed(seed)
 
-    def plan_merge(metric, src, dst, r, *args, **kwargs):
+    def plan_split(metric, layout, r, *args, **kwargs):
         noise = torch.randn(metric.shape, generator=gen).to(metric.device, metric.dtype)
-        return real(noise, src, dst, r, *args, **kwargs)
-    return plan_merge
+        return real(noise, layout, r, *args, **kwargs)
+    return plan_split
 
 
 def _change(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, base: torch.Tensor, ratio: float,
@@ -87,7 +87,7 @@ def _change(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, base: torch.Tensor
     """RMS change of the predicted noise under a merge at ``ratio``, relative to the prediction's RMS."""
     with pytest.MonkeyPatch.context() as mp:
         if random_destinations:
-            mp.setattr(tome_core.patch, "plan_merge", _random_metric_plan_merge(seed=11))
+            mp.setattr(tome_core.patch, "plan_split", _random_metric_plan(seed=11))
         tome_core.apply_patch(pipe.unet, ratio=ratio, use_rand=False)
         try:
             out = _predict(pipe, x, t)
@@ -214,7 +214,7 @@ def test_sampled_fidelity_falls_as_the_ratio_rises(pipe):
         finally:
             tome_core.remove_patch(pipe.unet)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tome_core.patch, "plan_merge", _random_metric_plan_merge(seed=11))
+        mp.setattr(tome_core.patch, "plan_split", _random_metric_plan(seed=11))
         tome_core.apply_patch(pipe.unet, ratio=0.5, use_rand=False)
         try:
             random = _psnr(sample(), reference)

@@ -20,7 +20,10 @@ _MULT = 31337
 
 def _mix(h, v):
     """One hashing round on ints or int32 tensors; both arguments must lie in [0, _P)."""
-    h = (h * _MULT + v) % _P
+    if isinstance(v, torch.Tensor):
+        h = torch.add(v, h, alpha=_MULT) % _P  # v + _MULT·h in one operation
+    else:
+        h = (h * _MULT + v) % _P
     return (h * h % _P) * h % _P
 
 
@@ -72,25 +75,32 @@ def _cell_words(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
 
 @lru_cache(maxsize=256)
 def _grid_layout(h: int, w: int, sx: int, sy: int, device: torch.device):
-    """Int32 tensors that do not depend on the random choice: cell origins, slot numbers, leftover tokens."""
+    """Int32 tensors that do not depend on the random choice: cell origins, each choice's destination and
+    source offsets from its cell origin, leftover tokens."""
     hsy, wsx = h // sy, w // sx
     cy = torch.arange(hsy, dtype=torch.int32, device=device)[:, None]
     cx = torch.arange(wsx, dtype=torch.int32, device=device)[None, :]
     origin = (cy * (sy * w) + cx * sx).reshape(-1)
-    slots = torch.arange(max(sx * sy - 1, 0), dtype=torch.int32, device=device)
+    # Choice c (row-major within the cell) puts the destination at offset (c // sx)·w + c % sx; the sources
+    # are the cell's other positions, in row-major order. As tables: one lookup per cell instead of
+    # arithmetic per cell on every call.
+    in_cell = [(c // sx) * w + c % sx for c in range(sx * sy)]
+    dst_offset = torch.tensor(in_cell, dtype=torch.int32, device=device)
+    src_offsets = torch.tensor([[o for j, o in enumerate(in_cell) if j != c] for c in range(sx * sy)],
+                               dtype=torch.int32, device=device).reshape(sx * sy, max(sx * sy - 1, 0))
     # Tokens right of or below the last whole cell are always sources (the stride need not divide the grid).
     yy = torch.arange(h, dtype=torch.int32, device=device)[:, None]
     xx = torch.arange(w, dtype=torch.int32, device=device)[None, :]
     outside = (yy >= hsy * sy) | (xx >= wsx * sx)
     positions = yy * w + xx
     leftover = positions[outside]
-    return origin, slots, leftover
+    return origin, dst_offset, src_offsets, leftover
 
 
 @lru_cache(maxsize=256)
 def fixed_partition(h: int, w: int, sx: int, sy: int, device: torch.device, index_dtype: torch.dtype):
     """The partition with the top-left token of every cell as destination (``use_rand=False``)."""
-    origin, _, _ = _grid_layout(h, w, sx, sy, device)
+    origin = _grid_layout(h, w, sx, sy, device)[0]
     choice = torch.zeros(origin.numel(), dtype=torch.int32, device=device)
     return partition(h, w, sx, sy, choice, index_dtype)
 
@@ -103,11 +113,11 @@ def partition(h: int, w: int, sx: int, sy: int, choice: torch.Tensor, index_dtyp
             (K, num_cells) for K partitions at once.
     Returns:
         src (N - num_cells,) and dst (num_cells,), both of ``index_dtype``; (K, ·) each for a (K, ·) choice.
+        A cell's sources come in row-major order, skipping its destination; the leftover tokens follow.
     """
-    origin, slots, leftover = _grid_layout(h, w, sx, sy, choice.device)
-    dst = origin + torch.div(choice, sx, rounding_mode="floor") * w + torch.remainder(choice, sx)
-    # Source slot j of a cell is its j-th position skipping the destination: no sort needed.
-    q = slots + (slots >= choice[..., None]).to(torch.int32)
-    src_cells = origin[:, None] + torch.div(q, sx, rounding_mode="floor") * w + torch.remainder(q, sx)
+    origin, dst_offset, src_offsets, leftover = _grid_layout(h, w, sx, sy, choice.device)
+    flat_choice = choice.reshape(-1)
+    dst = origin + dst_offset.index_select(0, flat_choice).view(choice.shape)
+    src_cells = origin[:, None] + src_offsets.index_select(0, flat_choice).view(*choice.shape, src_offsets.shape[1])
     src = torch.cat([src_cells.flatten(-2), leftover.expand(*choice.shape[:-1], -1)], dim=-1)
     return src.to(index_dtype), dst.to(index_dtype)

@@ -27,7 +27,7 @@ from torch import nn
 
 from .families import LDM, Family, diffusion_transformer_name, family_of
 from .local import LocalPlan, plan_local
-from .merge import MergePlan, downsample_tokens, plan_merge
+from .merge import MergePlan, SplitLayout, downsample_tokens, plan_split, split_layouts
 from .options import MergeOptions, check_number
 from .partition import cell_choices, fixed_partition, host_key, partition, timestep_words
 
@@ -139,8 +139,10 @@ class TokenMergePatch:
         self.progress: float | None = None
         self.timestep: torch.Tensor | float | None = None
         self._tbits: torch.Tensor | None = None
-        # This U-Net call's random partitions, (src, dst) of every selected block, by (grid, device, dtype).
-        self._partitions: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # This U-Net call's random partitions, laid out for its batch: one per selected block, by (grid, batch,
+        # device, dtype); and the fixed partition's, kept while patched.
+        self._partitions: dict[tuple, list[SplitLayout]] = {}
+        self._fixed_layouts: dict[tuple, SplitLayout] = {}
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._handles: list = []
         self._own_attention: list[nn.Module] = []  # attn1 modules whose forward this patch computes itself
@@ -236,6 +238,8 @@ class TokenMergePatch:
             rec.grid = None
         self._level_plans.clear()
         self._kept_plans.clear()
+        self._partitions.clear()
+        self._fixed_layouts.clear()
 
     # -- per call -----------------------------------------------------------------------------------------
 
@@ -249,11 +253,12 @@ class TokenMergePatch:
             self._tbits = timestep_words(self.timestep, device)
         return self._tbits
 
-    def random_partitions(self, h: int, w: int, device: torch.device, idt: torch.dtype):
-        """(src, dst) of every selected block on an h×w grid for this U-Net call, (K, ·) each, row k for
-        selected block k. Made at the first block that needs them, in one pass of tensor ops for all blocks:
-        on a GPU, per-block tensor ops would cost host time that the step waits on."""
-        cache_key = (h, w, device, idt)
+    def random_layouts(self, h: int, w: int, batch: int, device: torch.device,
+                       idt: torch.dtype) -> list[SplitLayout]:
+        """The partition of every selected block on an h×w grid for this U-Net call, laid out for ``batch``
+        rows: item k for selected block k. Made at the first block that needs them, in one pass of tensor ops
+        for all blocks: on a GPU, per-block tensor ops would cost host time that the step waits on."""
+        cache_key = (h, w, batch, device, idt)
         found = self._partitions.get(cache_key)
         if found is None:
             o = self.options
@@ -262,7 +267,18 @@ class TokenMergePatch:
                 keys = self._keys[device] = torch.tensor([r.key for r in self.selected], dtype=torch.int32,
                                                          device=device)
             choice = cell_choices(keys, self.timestep_bits(device), (h // o.sy) * (w // o.sx), o.sx * o.sy)
-            found = self._partitions[cache_key] = partition(h, w, o.sx, o.sy, choice, idt)
+            src, dst = partition(h, w, o.sx, o.sy, choice, idt)
+            found = self._partitions[cache_key] = split_layouts(src, dst, batch, h * w)
+        return found
+
+    def fixed_layout(self, h: int, w: int, batch: int, device: torch.device, idt: torch.dtype) -> SplitLayout:
+        """The fixed partition (``use_rand=False``) on an h×w grid, laid out for ``batch`` rows."""
+        cache_key = (h, w, batch, device, idt)
+        found = self._fixed_layouts.get(cache_key)
+        if found is None:
+            o = self.options
+            src, dst = fixed_partition(h, w, o.sx, o.sy, device, idt)
+            found = self._fixed_layouts[cache_key] = split_layouts(src, dst, batch, h * w)[0]
         return found
 
     def _begin_local_call(self, module, args, kwargs):
@@ -339,12 +355,12 @@ class TokenMergePatch:
         if r <= 0 or cells == 0:
             return None
         idt = o.index_dtype or default_index_dtype(x.device)
+        batch = x.shape[0]
         if o.use_rand:
-            src, dst = self.random_partitions(h, w, x.device, idt)
-            src, dst = src[rec.row], dst[rec.row]
+            layout = self.random_layouts(h, w, batch, x.device, idt)[rec.row]
         else:
-            src, dst = fixed_partition(h, w, o.sx, o.sy, x.device, idt)
-        return plan_merge(x, src, dst, r, o.score_chunk_elements or default_score_chunk(x.device))
+            layout = self.fixed_layout(h, w, batch, x.device, idt)
+        return plan_split(x, layout, r, o.score_chunk_elements or default_score_chunk(x.device))
 
 
 def default_index_dtype(device: torch.device) -> torch.dtype:
