@@ -88,12 +88,16 @@ def best_destinations(a: torch.Tensor, b: torch.Tensor, chunk_elements: int):
     rows = max(1, chunk_elements // max(1, batch * nd))
     if rows >= ns:
         return torch.bmm(a, bt).max(dim=-1)
-    best = a.new_empty(batch, ns)
-    where = torch.empty(batch, ns, dtype=torch.int64, device=a.device)
-    for start in range(0, ns, rows):
-        stop = min(ns, start + rows)
-        best[:, start:stop], where[:, start:stop] = torch.bmm(a[:, start:stop], bt).max(dim=-1)
-    return best, where
+    # Each chunk's (B, rows) results are small; joining them at the end costs two operations in all, where
+    # writing each into a preallocated row range would cost four per chunk.
+    parts = [torch.bmm(part, bt).max(dim=-1) for part in a.split(rows, dim=1)]
+    return torch.cat([best for best, _ in parts], dim=1), torch.cat([where for _, where in parts], dim=1)
+
+
+@lru_cache(maxsize=16)
+def _score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32 (``torch.promote_types`` is a dispatched operation: looked up once per dtype)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class SplitLayout:
@@ -194,7 +198,7 @@ def plan_split(metric: torch.Tensor, layout: SplitLayout, r: int,
         # Norms and that division are at least float32 for half-precision tokens too, so the scores that rank
         # the sources carry one rounding (the matmul's) instead of three. The clamp only touches all-zero
         # rows, whose cosine would otherwise be NaN.
-        exact = torch.promote_types(metric.dtype, torch.float32)
+        exact = _score_dtype(metric.dtype)
         norms = torch.linalg.vector_norm(split, dim=-1, dtype=exact).clamp_min(torch.finfo(exact).tiny)
         unit_dst = (split[:, ns:].to(exact) / norms[:, ns:, None]).to(metric.dtype)
         score, best = best_destinations(split[:, :ns], unit_dst, chunk_elements)
