@@ -249,7 +249,8 @@ class TokenMergeScript(scripts.Script):
     def ui(self, is_img2img: bool) -> list[gr.components.Component]:
         defaults = tm.DISABLED
         c: dict[str, gr.components.Component] = {}
-        if page_links_input_accordion():
+        linked = page_links_input_accordion()
+        if linked:
             accordion = InputAccordion(defaults.enabled, label=tm.PARAM["enabled"].label,
                                        elem_id=self.elem_id("enabled"))
         else:
@@ -257,7 +258,8 @@ class TokenMergeScript(scripts.Script):
             # with the switch as its first control instead.
             accordion = gr.Accordion(tm.PARAM["enabled"].label, open=False, elem_id=self.elem_id("accordion"))
         with accordion:
-            c["enabled"] = accordion if isinstance(accordion, InputAccordion) else self._control("enabled")
+            # Not isinstance: Forge's InputAccordion is a function that returns an InputAccordionImpl.
+            c["enabled"] = accordion if linked else self._control("enabled")
             c["ratio"] = self._control("ratio")
             note_text = tm.ratio_note(defaults.ratio, defaults.hr_ratio, defaults.sx, defaults.sy)
             note = gr.Markdown(note_text, visible=bool(note_text), elem_id=self.elem_id("ratio_note"))

@@ -29,13 +29,15 @@ def test_script_identity(host):
 
 
 def test_controls_same_order_in_both_tabs_with_table_labels_defaults_and_bounds(host):
-    from modules.ui_components import InputAccordion
+    from modules import ui_components
 
+    # Forge and its forks make InputAccordion a function that returns an InputAccordionImpl.
+    accordion_class = getattr(ui_components, "InputAccordionImpl", ui_components.InputAccordion)
     per_tab = {tab: host.webui.script(tab, "ToMe").controls for tab in TABS}
     for tab, controls in per_tab.items():
         assert len(controls) == len(tm.KEYS)
         enabled = controls[0]
-        assert isinstance(enabled, InputAccordion) and enabled.value is False and enabled.accordion.open is False
+        assert isinstance(enabled, accordion_class) and enabled.value is False and enabled.accordion.open is False
         assert enabled.accordion_id == f"script_{tab}_tome_enabled"
         for key, control in zip(tm.KEYS[1:], controls[1:]):
             param = tm.PARAM[key]
