@@ -20,6 +20,7 @@ import os
 import re
 import struct
 import sys
+import time
 import urllib.error
 import urllib.request
 import zlib
@@ -101,12 +102,9 @@ def describe(r: dict) -> str:
     return f"md5 {r['md5']} keys {r['keys']} lines {r['lines']}"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("SDNEXT_URL", "http://127.0.0.1:7865"))
-    ap.add_argument("--log", default=os.path.expanduser("~/tome-bars/sdnext-harness/run/sdnext.log"))
-    s = Server(ap.parse_args().url, ap.parse_args().log)
-
+def check_basics(s: Server) -> tuple[dict, dict]:
+    """Plain, ToMe 0.5 (the same twice, the same positional, plain again after it), ToDo, Local, the step window
+    and a bad ratio (one console line, plain pixels); returns the plain and the ToMe 0.5 results."""
     plain = s.generate()
     check("plain", plain["status"] == 200 and plain["keys"] == {}, describe(plain))
     tome = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
@@ -124,12 +122,20 @@ def main() -> int:
               and r["keys"] == {"ToMe ratio": "0.5", "ToMe method": method}, describe(r))
     window = s.generate(tome=[{"enabled": True, "ratio": 0.5, "step_start": 0.5}])
     check("step window [0.5, 1]", window["md5"] not in (None, plain["md5"], tome["md5"]), describe(window))
+    bad = s.generate(tome=[{"enabled": True, "ratio": 2}])
+    check("bad ratio: one line, plain pixels", bad["md5"] == plain["md5"] and len(bad["lines"]) == 1
+          and bad["keys"] == {}, describe(bad))
+    return plain, tome
 
-    hires_plain = s.generate(**HIRES)
+
+def check_hires(s: Server, plain: dict, hires: dict) -> None:
+    """Hires fix: both passes merged, hires fix only, the hires pass's own ratio, and hires fix only in a job
+    without hires fix (plain pixels and one console line). ``hires``: the host's request fields for it."""
+    hires_plain = s.generate(**hires)
     check("hires plain", hires_plain["status"] == 200, describe(hires_plain))
-    hires_all = s.generate(tome=[{"enabled": True, "ratio": 0.5}], **HIRES)
-    hires_only = s.generate(tome=[{"enabled": True, "ratio": 0.5, "hr_only": True}], **HIRES)
-    hires_ratio = s.generate(tome=[{"enabled": True, "ratio": 0.5, "hr_ratio": 0.3}], **HIRES)
+    hires_all = s.generate(tome=[{"enabled": True, "ratio": 0.5}], **hires)
+    hires_only = s.generate(tome=[{"enabled": True, "ratio": 0.5, "hr_only": True}], **hires)
+    hires_ratio = s.generate(tome=[{"enabled": True, "ratio": 0.5, "hr_ratio": 0.3}], **hires)
     check("hires, both passes", hires_all["md5"] not in (None, hires_plain["md5"]), describe(hires_all))
     check("hires fix only", hires_only["md5"] not in (None, hires_plain["md5"], hires_all["md5"])
           and hires_only["keys"] == {"ToMe ratio": "0.5", "ToMe hires only": "True"}, describe(hires_only))
@@ -139,9 +145,38 @@ def main() -> int:
     check("hires fix only without hires", no_hires["md5"] == plain["md5"] and len(no_hires["lines"]) == 1,
           describe(no_hires))
 
-    bad = s.generate(tome=[{"enabled": True, "ratio": 2}])
-    check("bad ratio: one line, plain pixels", bad["md5"] == plain["md5"] and len(bad["lines"]) == 1
-          and bad["keys"] == {}, describe(bad))
+
+def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:
+    """A job whose U-Net raises (``FAILER``), then plain and ToMe pixels as before it; and img2img from the plain
+    image, which ToMe changes."""
+    start = s.log_size()
+    failed = s.generate(tome=[{"enabled": True, "ratio": 0.5}], alwayson_scripts={FAILER: {"args": [True]}})
+    time.sleep(2)  # the server may log the traceback after it has answered
+    check("failing job", "simulated failure" in s.log_since(start), f"status {failed['status']} md5 {failed['md5']}")
+    after_failure = s.generate()
+    check("plain after the failure: the plain pixels", after_failure["md5"] == plain["md5"], describe(after_failure))
+    tome_after_failure = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
+    check("ToMe after the failure: the same ToMe pixels", tome_after_failure["md5"] == tome["md5"],
+          describe(tome_after_failure))
+
+    init = "data:image/png;base64," + base64.b64encode(plain["png"]).decode()
+    i2i_plain = s.generate("img2img", init_images=[init], denoising_strength=0.6)
+    i2i_tome = s.generate("img2img", tome=[{"enabled": True, "ratio": 0.5}], init_images=[init],
+                          denoising_strength=0.6)
+    check("img2img", i2i_tome["md5"] not in (None, i2i_plain["md5"]) and i2i_tome["keys"] == {"ToMe ratio": "0.5"},
+          f"plain {i2i_plain['md5']} tome {describe(i2i_tome)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=os.environ.get("SDNEXT_URL", "http://127.0.0.1:7865"))
+    ap.add_argument("--log", default=os.path.expanduser("~/tome-bars/sdnext-harness/run/sdnext.log"))
+    s = Server(ap.parse_args().url, ap.parse_args().log)
+
+    plain, tome = check_basics(s)
+
+    check_hires(s, plain, HIRES)
+
 
     # SD.Next's built-in token merging: a setting a job with the accordion sets aside, and back after it.
     s.call("/sdapi/v1/options", {"token_merging_method": "ToMe", "tome_ratio": 0.5})
@@ -160,21 +195,7 @@ def main() -> int:
           f"tome_ratio={options.get('tome_ratio') if isinstance(options, dict) else options!r}")
 
     # A job whose sampling fails: SD.Next logs it and skips postprocess; nothing of ours may stay.
-    failed = s.generate(tome=[{"enabled": True, "ratio": 0.5}], alwayson_scripts={FAILER: {"args": [True]}})
-    check("failing job", "simulated failure" in failed["log"], f"status {failed['status']} md5 {failed['md5']}")
-    after_failure = s.generate()
-    check("plain after the failure: the plain pixels", after_failure["md5"] == plain["md5"], describe(after_failure))
-    tome_after_failure = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
-    check("ToMe after the failure: the same ToMe pixels", tome_after_failure["md5"] == tome["md5"],
-          describe(tome_after_failure))
-
-    # img2img, from the plain image.
-    init = "data:image/png;base64," + base64.b64encode(plain["png"]).decode()
-    i2i_plain = s.generate("img2img", init_images=[init], denoising_strength=0.6)
-    i2i_tome = s.generate("img2img", tome=[{"enabled": True, "ratio": 0.5}], init_images=[init],
-                          denoising_strength=0.6)
-    check("img2img", i2i_tome["md5"] not in (None, i2i_plain["md5"]) and i2i_tome["keys"] == {"ToMe ratio": "0.5"},
-          f"plain {i2i_plain['md5']} tome {describe(i2i_tome)}")
+    check_failure_and_img2img(s, plain, tome)
 
     # X/Y/Z grid: our axes are listed, and a grid over the ratio runs one job per value.
     status, axes = s.call("/sdapi/v1/xyz-grid")
