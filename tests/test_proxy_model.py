@@ -286,7 +286,7 @@ def test_the_shipped_proxies_are_trained_from_distinct_seeds_with_the_same_recip
         seeds.append(int(meta["seed"]))
         stages.add(meta["stages"])
         assert proxy.describe(path) == f"seed {meta['seed']}"
-    assert len(set(seeds)) == len(seeds) >= 2
+    assert len(set(seeds)) == len(seeds) >= 3
     assert stages == {json.dumps(proxy.TrainConfig.stages)}  # the default recipe, as --seed N makes it
 
 
