@@ -111,12 +111,12 @@ class SplitLayout:
         src: (B·Ns,) and dst: (B·Nd,) the same rows apart (contiguous, ready for ``index_select``/``index_put_``).
     """
 
-    __slots__ = ("both", "src", "dst", "batch", "tokens", "sources", "destinations")
+    __slots__ = ("both", "src", "dst", "sources", "destinations")
 
-    def __init__(self, both: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, batch: int, tokens: int,
-                 sources: int, destinations: int) -> None:
+    def __init__(self, both: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, sources: int,
+                 destinations: int) -> None:
         self.both, self.src, self.dst = both, src, dst
-        self.batch, self.tokens, self.sources, self.destinations = batch, tokens, sources, destinations
+        self.sources, self.destinations = sources, destinations
 
 
 def split_layouts(src: torch.Tensor, dst: torch.Tensor, batch: int, tokens: int) -> list[SplitLayout]:
@@ -132,7 +132,7 @@ def split_layouts(src: torch.Tensor, dst: torch.Tensor, batch: int, tokens: int)
     dst_rows = dst2[:, None, :] + offsets
     both = torch.cat([src_rows, dst_rows], dim=2).reshape(k, batch * tokens)
     src_rows, dst_rows = src_rows.reshape(k, batch * ns), dst_rows.reshape(k, batch * nd)
-    return [SplitLayout(b, s, d, batch, tokens, ns, nd)
+    return [SplitLayout(b, s, d, ns, nd)
             for b, s, d in zip(both.unbind(0), src_rows.unbind(0), dst_rows.unbind(0))]
 
 
@@ -174,8 +174,6 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
         r: tokens to remove; capped at Ns. None is returned when nothing can merge (r = 0, or a grid
             smaller than one stride cell, which has no destinations).
     """
-    if min(int(r), src.numel()) <= 0 or dst.numel() == 0:
-        return None
     return plan_split(metric, split_layouts(src, dst, metric.shape[0], metric.shape[1])[0], r, chunk_elements)
 
 

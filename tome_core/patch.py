@@ -142,7 +142,7 @@ class TokenMergePatch:
         # This U-Net call's random partitions, laid out for its batch: one per selected block, by (grid, batch,
         # device, dtype); and the fixed partition's, kept while patched.
         self._partitions: dict[tuple, list[SplitLayout]] = {}
-        self._fixed_layouts: dict[tuple, SplitLayout] = {}
+        self._fixed_layouts: dict[tuple, list[SplitLayout]] = {}
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._handles: list = []
         self._own_attention: list[nn.Module] = []  # attn1 modules whose forward this patch computes itself
@@ -253,32 +253,27 @@ class TokenMergePatch:
             self._tbits = timestep_words(self.timestep, device)
         return self._tbits
 
-    def random_layouts(self, h: int, w: int, batch: int, device: torch.device,
-                       idt: torch.dtype) -> list[SplitLayout]:
-        """The partition of every selected block on an h×w grid for this U-Net call, laid out for ``batch``
-        rows: item k for selected block k. Made at the first block that needs them, in one pass of tensor ops
-        for all blocks: on a GPU, per-block tensor ops would cost host time that the step waits on."""
+    def partition_layouts(self, h: int, w: int, batch: int, device: torch.device,
+                          idt: torch.dtype) -> list[SplitLayout]:
+        """The partitions of an h×w grid laid out for ``batch`` rows: with the random partition one per
+        selected block (item k for selected block k), for this U-Net call only, made at the first block that
+        needs them in one pass of tensor ops for all blocks (on a GPU, per-block tensor ops would cost host
+        time that the step waits on); with the fixed one a single item, kept while patched."""
+        o = self.options
+        cache = self._partitions if o.use_rand else self._fixed_layouts
         cache_key = (h, w, batch, device, idt)
-        found = self._partitions.get(cache_key)
+        found = cache.get(cache_key)
         if found is None:
-            o = self.options
-            keys = self._keys.get(device)
-            if keys is None:
-                keys = self._keys[device] = torch.tensor([r.key for r in self.selected], dtype=torch.int32,
-                                                         device=device)
-            choice = cell_choices(keys, self.timestep_bits(device), (h // o.sy) * (w // o.sx), o.sx * o.sy)
-            src, dst = partition(h, w, o.sx, o.sy, choice, idt)
-            found = self._partitions[cache_key] = split_layouts(src, dst, batch, h * w)
-        return found
-
-    def fixed_layout(self, h: int, w: int, batch: int, device: torch.device, idt: torch.dtype) -> SplitLayout:
-        """The fixed partition (``use_rand=False``) on an h×w grid, laid out for ``batch`` rows."""
-        cache_key = (h, w, batch, device, idt)
-        found = self._fixed_layouts.get(cache_key)
-        if found is None:
-            o = self.options
-            src, dst = fixed_partition(h, w, o.sx, o.sy, device, idt)
-            found = self._fixed_layouts[cache_key] = split_layouts(src, dst, batch, h * w)[0]
+            if o.use_rand:
+                keys = self._keys.get(device)
+                if keys is None:
+                    keys = self._keys[device] = torch.tensor([r.key for r in self.selected], dtype=torch.int32,
+                                                             device=device)
+                choice = cell_choices(keys, self.timestep_bits(device), (h // o.sy) * (w // o.sx), o.sx * o.sy)
+                src, dst = partition(h, w, o.sx, o.sy, choice, idt)
+            else:
+                src, dst = fixed_partition(h, w, o.sx, o.sy, device, idt)
+            found = cache[cache_key] = split_layouts(src, dst, batch, h * w)
         return found
 
     def _begin_local_call(self, module, args, kwargs):
@@ -355,11 +350,8 @@ class TokenMergePatch:
         if r <= 0 or cells == 0:
             return None
         idt = o.index_dtype or default_index_dtype(x.device)
-        batch = x.shape[0]
-        if o.use_rand:
-            layout = self.random_layouts(h, w, batch, x.device, idt)[rec.row]
-        else:
-            layout = self.fixed_layout(h, w, batch, x.device, idt)
+        layouts = self.partition_layouts(h, w, x.shape[0], x.device, idt)
+        layout = layouts[rec.row] if o.use_rand else layouts[0]
         return plan_split(x, layout, r, o.score_chunk_elements or default_score_chunk(x.device))
 
 
