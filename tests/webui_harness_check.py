@@ -50,8 +50,7 @@ def main() -> int:
                     "hr_additional_modules")
     args = ap.parse_args()
     s = Server(args.url, args.log)
-    if args.forge:
-        HIRES["hr_additional_modules"] = ["Use same choices"]
+    hires = dict(HIRES, hr_additional_modules=["Use same choices"]) if args.forge else HIRES
 
     plain, tome = check_basics(s)
     weighted = s.generate(tome=[{"enabled": True, "ratio": 0.25, "method": "Local", "size_weighted_keys": True}])
@@ -59,7 +58,7 @@ def main() -> int:
     check("size-weighted keys (Local 0.25)", weighted["md5"] not in (None, plain["md5"], unweighted["md5"])
           and weighted["keys"].get("ToMe size-weighted keys") == "True", describe(weighted))
 
-    check_hires(s, plain, HIRES)
+    check_hires(s, plain, hires)
 
     odd = s.generate(tome=[{"enabled": True, "ratio": 0.5}], width=136, height=72)
     check("odd size 136x72 runs", odd["status"] == 200 and odd["md5"] is not None, describe(odd))
