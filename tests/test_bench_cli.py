@@ -217,3 +217,11 @@ def test_a_safetensors_file_of_another_kind_is_refused_briefly_without_pointing_
     assert "model_channels 64 where this code builds 32" in err and len(err) < 400, err
     assert json.dumps(proxy.PROXY_ARCH) not in err and str(proxy.PROXY_ARCH) not in err
     assert f"--out {other}" not in err and "--out proxy-seedN.safetensors" in err
+
+
+@pytest.mark.parametrize("threads, suggested", [(None, True), (2, True), (1, False)])
+def test_the_busy_hint_suggests_one_thread_only_to_a_run_that_used_more(threads, suggested):
+    args = cli.parse_args(["--models", "sd15", "--threads", str(threads)] if threads else ["--models", "sd15"])
+    hint = cli.steadier_hint(args)
+    assert "--repeats 6" in hint
+    assert ("--threads 1" in hint) is suggested

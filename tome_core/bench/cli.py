@@ -291,9 +291,10 @@ def check_pipeline_sizes(pipe: Pipeline, sizes: list[int], max_downsample: int |
 
 
 def steadier_hint(args: argparse.Namespace) -> str:
+    """What to try for steadier timings; fewer threads only where the run did not already use one."""
     more = max(args.repeats * 2, 5)
-    return (f"more rounds (--repeats {more}), fewer threads than free cores (--threads 1), or a quiet machine "
-            f"(close other programs)")
+    threads = "" if args.threads == 1 else ", fewer threads than free cores (--threads 1)"
+    return f"more rounds (--repeats {more}){threads}, or a quiet machine (close other programs)"
 
 
 def load_line(load: Load | None) -> str | None:
