@@ -49,7 +49,9 @@ class Setup:
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return f"{device.type}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return (f"{device.type}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} "
+            f"thread{'' if threads == 1 else 's'}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
