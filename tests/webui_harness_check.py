@@ -27,7 +27,9 @@ XYZ = "x/y/z plot"
 
 
 def xyz_args(s: Server, label: str, values: str) -> list | None:
-    """The X/Y/Z plot's script_args for one X axis: the axis by its index in the txt2img list, as the UI sends."""
+    """The X/Y/Z plot's script_args for one X axis: the axis by its index in the txt2img list, as the UI sends,
+    the legend and each cell's image on, every other argument at the default the host lists (reForge's script
+    has three more than A1111 1.10's, in the middle)."""
     status, info = s.call("/sdapi/v1/script-info")
     if status != 200:
         return None
@@ -37,8 +39,12 @@ def xyz_args(s: Server, label: str, values: str) -> list | None:
             if label not in choices:
                 return None
             index = choices.index(label)
-            return [index, values, [], 0, "", [], 0, "", [], True, True, False, False, False, False, False, 0,
-                    False]
+            args = [arg.get("value") for arg in script["args"]]
+            args[:9] = [index, values, [], 0, "", [], 0, "", []]  # X on the axis, no Y or Z
+            for i, arg in enumerate(script["args"]):
+                if arg.get("label") in ("Draw legend", "Include Sub Images"):
+                    args[i] = True
+            return args
     return None
 
 
