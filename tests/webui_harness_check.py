@@ -71,7 +71,9 @@ def main() -> int:
 
     check_failure_and_img2img(s, plain, tome)
 
-    script_args = xyz_args(s, "[ToMe] Ratio", "0.5,0.3")
+    # 0.5 second: reForge's grid gives its first cell other pixels than the same job alone, ToMe or not (a
+    # Steps "4,4" grid without ToMe: the first cell differs from the plain image, the second equals it).
+    script_args = xyz_args(s, "[ToMe] Ratio", "0.3,0.5")
     check("X/Y/Z axis listed", script_args is not None, "[ToMe] Ratio in the txt2img X/Y/Z plot's axes")
     if script_args is not None:
         grid = s.generate(script_name=XYZ, script_args=script_args)
