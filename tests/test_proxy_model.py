@@ -18,7 +18,8 @@ import tome_core
 import tome_core.patch
 from tome_core.bench import proxy
 from tome_core.bench.pipeline import Pipeline
-from tome_core.bench.sampling import euler_sample
+from tome_core.bench.sampling import denoise, euler_sample
+from tome_core.bench.stepwise import reference_trajectory, relative_error, to_db
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 T_MODERATE = 300  # ᾱ ≈ 0.59: the picture's structure still shows through the noise
@@ -198,31 +199,44 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((10 * torch.log10(1 / (a - b).pow(2).flatten(1).mean(1))).mean())
 
 
-def test_sampled_fidelity_falls_as_the_ratio_rises(pipe):
-    """The benchmark's own measure on a short run: PSNR of the final pictures against the unmerged run's."""
-    noise = torch.randn(2, 3, proxy.EVAL_SIZE, proxy.EVAL_SIZE, generator=torch.Generator().manual_seed(5))
-
-    def sample() -> torch.Tensor:
-        return pipe.decode(euler_sample(pipe, noise, steps=8))
-
-    reference = sample()
-    psnr = {}
-    for ratio in (0.25, 0.5, 0.75):
+def _step_db(pipe: Pipeline, trajectory, ratio: float, random_destinations: bool = False) -> float:
+    """The benchmark's one-step figure (dB) of ToMe at ``ratio`` along the unmerged ``trajectory``, over all
+    its images."""
+    with pytest.MonkeyPatch.context() as mp:
+        if random_destinations:
+            mp.setattr(tome_core.patch, "plan_split", _random_metric_plan(seed=11))
         tome_core.apply_patch(pipe.unet, ratio=ratio, use_rand=False)
         try:
-            psnr[ratio] = _psnr(sample(), reference)
+            estimates = torch.stack([denoise(pipe, trajectory.inputs[i], trajectory.sigmas[i], trajectory.timesteps[i])
+                                     for i in range(trajectory.steps)])
         finally:
             tome_core.remove_patch(pipe.unet)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tome_core.patch, "plan_split", _random_metric_plan(seed=11))
-        tome_core.apply_patch(pipe.unet, ratio=0.5, use_rand=False)
-        try:
-            random = _psnr(sample(), reference)
-        finally:
-            tome_core.remove_patch(pipe.unet)
-    print(f"\nPSNR (dB) of 8-step samples, ToMe at 0.25/0.5/0.75: {psnr}; random destinations at 0.5: {random:.2f}")
-    assert psnr[0.25] > psnr[0.5] > psnr[0.75] > 20
-    assert random < psnr[0.5] - 3
+    return to_db(float(relative_error(trajectory.denoised, estimates, trajectory.inputs, trajectory.sigmas).mean()))
+
+
+def test_sampled_fidelity_falls_as_the_ratio_rises(pipe):
+    """The benchmark's own measures on a short run. Per step along the unmerged trajectory (the measure the
+    README ranks by): the change grows with the ratio, and choosing destinations by similarity beats random
+    ones (by 4 to 6 dB on the proxies; a U-Net with random weights gets 4.5, so that training made similarity
+    pay is the held-out tests' concern, above). The final pictures only have to stay close at every ratio: which ratio ends closest after
+    the whole trajectory differs between proxies trained alike, so no order of them is asserted."""
+    noise = torch.randn(2, 3, proxy.EVAL_SIZE, proxy.EVAL_SIZE, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        trajectory, reference = reference_trajectory(pipe, noise.double(), steps=8)
+        step = {ratio: _step_db(pipe, trajectory, ratio) for ratio in (0.25, 0.5, 0.75)}
+        random = _step_db(pipe, trajectory, 0.5, random_destinations=True)
+        final = {}
+        for ratio in (0.25, 0.5, 0.75):
+            tome_core.apply_patch(pipe.unet, ratio=ratio, use_rand=False)
+            try:
+                final[ratio] = _psnr(pipe.decode(euler_sample(pipe, noise.double(), steps=8)), pipe.decode(reference))
+            finally:
+                tome_core.remove_patch(pipe.unet)
+    print(f"\n8 steps, ToMe at 0.25/0.5/0.75: step dB {step}, random destinations at 0.5 {random:.2f}; "
+          f"final-picture PSNR {final}")
+    assert step[0.25] > step[0.5] > step[0.75] > 20
+    assert random < step[0.5] - 3
+    assert min(final.values()) > 30
 
 
 def test_loading_needs_no_photograph_packages():
