@@ -18,7 +18,7 @@
         "ToDo factor": "ToDo: keys and values come from a grid this many times smaller per side.",
         "ToDo pooling": "ToDo: how each window of tokens becomes one; nearest keeps one token, average takes their mean.",
         "Re-plan every (steps)": "Local: find which tokens group every this many sampling steps and reuse that plan in between. 1: every step.",
-        "Size-weighted keys": "ToMe and Local: a key that stands for a group of k tokens weighs k times in self-attention, as if its tokens were there one by one (proportional attention). Off: the paper's ToMe for SD.",
+        "Size-weighted keys": "ToMe and Local: a key that stands for a group of k tokens weighs k times in self-attention, as if its tokens were there one by one (proportional attention). Auto: on for ToMe, off for Local, as the benchmark measured closer to the unmerged picture. Off: the paper's ToMe for SD (tomesd's pictures).",
         "Start at (fraction of steps)": "Merge from this fraction of the sampling steps on (of each pass). 0: from the first step.",
         "End at (fraction of steps)": "Merge up to this fraction of the sampling steps (of each pass). 1: to the last step."
     };

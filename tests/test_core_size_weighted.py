@@ -118,6 +118,40 @@ def test_off_is_the_default_and_todo_ignores_it(family):
     assert not any("forward" in m.__dict__ for m in unet.modules())  # no instance forward left behind
 
 
+def test_another_extensions_instance_forward_is_kept_and_given_back():
+    """ldm's attention takes no bias, so the patch sets its own forward on attn1. Where another extension had
+    set one there before (the webui's Hypertile does, on every attention layer), calls without a bias go to
+    that one, and removing the patch gives it back: the module is as it was."""
+    unet = tiny_unet("sd1")
+    x, t, c = inputs(2, 32, 32)
+    calls = []
+
+    def wrapped_forward(attn):
+        inner = attn.forward
+
+        def forward(*args, **kwargs):
+            calls.append(attn)
+            return inner(*args, **kwargs)
+        return forward
+
+    attn_layers = [m for name, m in unet.named_modules() if name.endswith(("attn1", "attn2"))]
+    for attn in attn_layers:
+        attn.forward = wrapped_forward(attn)
+    theirs = {attn: attn.__dict__["forward"] for attn in attn_layers}
+    base = run(unet, x, t, c)
+    tome_core.apply_patch(unet, ratio=0.5, seed=3, size_weighted_keys=True)
+    rec, attn1 = _first_attn1(unet)
+    assert attn1.__dict__["forward"] is not theirs[attn1]
+    calls.clear()
+    run(unet, x, t, c)
+    # Merged self-attention computes the weighted attention itself; every other layer still goes through theirs.
+    assert attn1 not in calls and set(calls) == set(attn_layers) - {r.module.attn1 for r in
+                                                                    tome_core.get_patch(unet).selected}
+    tome_core.remove_patch(unet)
+    assert {attn: attn.__dict__.get("forward") for attn in attn_layers} == theirs
+    assert torch.equal(run(unet, x, t, c), base)
+
+
 def test_the_bias_is_broadcast_over_queries_not_a_token_by_token_mask(monkeypatch):
     import torch.nn.functional as F
 

@@ -38,7 +38,7 @@ def test_a_job_with_tome_gives_the_engines_output_and_leaves_the_unet_as_it_was(
     # Reproducible, and a plain job afterwards is plain again.
     assert torch.equal(image(fresh.txt2img([{"enabled": True, "ratio": 0.5, "method": method}])), image(job))
     assert torch.equal(image(fresh.txt2img()), image(plain))
-    expected = {"ToMe ratio": 0.5} if method == "ToMe" else {"ToMe ratio": 0.5, "ToMe method": method}
+    expected = {"ToMe ratio": 0.5, "ToMe size-weighted keys": "True"} if method == "ToMe" else {"ToMe ratio": 0.5, "ToMe method": method}
     assert tome_keys(job["info"]["infotexts"][0]) == expected
 
 
@@ -74,7 +74,7 @@ def test_builtin_token_merging_is_set_aside_for_the_job_and_back_after(fresh, me
     assert not any(line.startswith("Applying") for line in shared.log_lines)
     assert all(call.builtin == "" and call.merging for call in fresh.calls)
     params = tome_keys(job["info"]["infotexts"][0])
-    assert params == {"ToMe ratio": 0.4}  # and no "ToMe"/"ToDo" entry of SD.Next's
+    assert params == {"ToMe ratio": 0.4, "ToMe size-weighted keys": "True"}  # and no "ToMe"/"ToDo" entry of SD.Next's
     assert shared.opts.token_merging_method == method and getattr(shared.opts, ratio_key) == 0.5
     # A job without the accordion has the built-in merging again.
     fresh.calls.clear()
@@ -88,7 +88,7 @@ def test_the_requests_own_builtin_fields_do_not_claim_a_merge(fresh, capsys):
     job = fresh.txt2img([{"enabled": True, "ratio": 0.4}], token_merging_method="ToMe", tome_ratio=0.5)
     assert "built-in token merging (token_merging_method=ToMe, tome_ratio=0.5)" in capsys.readouterr().out
     params = tome_keys(job["info"]["infotexts"][0])
-    assert params == {"ToMe ratio": 0.4}
+    assert params == {"ToMe ratio": 0.4, "ToMe size-weighted keys": "True"}
 
 
 def test_hires_only_merges_only_in_the_hires_pass(fresh):
@@ -103,7 +103,7 @@ def test_hires_only_merges_only_in_the_hires_pass(fresh):
     assert all(call.merging and call.options.ratio == 0.5 for call in hires)
     assert len(base_calls) == 6
     assert not torch.equal(image(job), image(plain))
-    assert tome_keys(job["info"]["infotexts"][0]) == {"ToMe ratio": 0.5, "ToMe hires only": True}
+    assert tome_keys(job["info"]["infotexts"][0]) == {"ToMe ratio": 0.5, "ToMe hires only": True, "ToMe size-weighted keys": "True"}
 
 
 def test_a_separate_hires_ratio_is_used_in_the_hires_pass_only(fresh):
@@ -217,7 +217,7 @@ def test_img2img_merges_its_one_pass(fresh):
     assert {c.pipeline for c in fresh.calls} == {"StableDiffusionImg2ImgPipeline"}
     assert [c.merging for c in fresh.calls if c.options is not None] == [True] * 3
     assert all(c.options.ratio == 0.5 for c in fresh.calls if c.options is not None)
-    assert tome_keys(job["info"]["infotexts"][0]) == {"ToMe ratio": 0.5}
+    assert tome_keys(job["info"]["infotexts"][0]) == {"ToMe ratio": 0.5, "ToMe size-weighted keys": "True"}
 
 
 def test_batches_of_a_job_each_get_their_seed(fresh):

@@ -78,7 +78,8 @@ def test_the_xyz_grid_lists_our_axes_and_runs_a_cell_per_value(fresh):
     grid = fresh.sdnext.api("txt2img", {"prompt": "a cat", "seed": 11, "steps": 4, "width": 128, "height": 128,
                                         "script_name": "xyz grid script", "script_args": args})
     infos = [tome_keys(text) for text in grid["info"]["infotexts"]]
-    assert infos == [{"ToMe ratio": 0.3}, {"ToMe ratio": 0.6},
+    on = {"ToMe size-weighted keys": "True"}  # ToMe's "Auto"
+    assert infos == [{"ToMe ratio": 0.3, **on}, {"ToMe ratio": 0.6, **on},
                      {"ToMe ratio": 0.3, "ToMe method": "ToDo"}, {"ToMe ratio": 0.6, "ToMe method": "ToDo"}]
     images = grid["images"]
     assert len(images) == 4 and all(not torch.equal(i, image(plain)) for i in images)

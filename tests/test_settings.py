@@ -34,9 +34,9 @@ def test_defaults():
     assert (s.sx, s.sy, s.use_rand, s.merge_crossattn, s.merge_mlp) == (2, 2, True, False, False)
     assert (s.todo_factor, s.todo_pool, s.step_start, s.step_end) == (2, "nearest", 0.0, 1.0)
     assert tm.parse_args(()) == s == tm.DISABLED
-    assert s.local_replan == 1 and s.size_weighted_keys is False
+    assert s.local_replan == 1 and s.size_weighted_keys is None  # "Auto": the method's own default
     assert s.ui_values() == [False, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest",
-                             0.0, 1.0, 1, False]
+                             0.0, 1.0, 1, "Auto"]
     ratio = tm.PARAM["ratio"]
     assert (ratio.low, ratio.high, ratio.step) == (0.0, 0.9, 0.05)
 
@@ -166,7 +166,10 @@ def test_which_passes_are_patched():
 
 def test_infotext_when_off_is_empty_and_at_defaults_only_the_ratio():
     assert TokenMergeSettings(ratio=0.3).to_infotext() == {}
-    assert TokenMergeSettings(enabled=True).to_infotext() == {"ToMe ratio": 0.5}
+    # ToMe's Auto size-weighted keys are on, and on is not what an infotext without the key means.
+    assert TokenMergeSettings(enabled=True).to_infotext() == {"ToMe ratio": 0.5, "ToMe size-weighted keys": True}
+    assert TokenMergeSettings(enabled=True, method="local").to_infotext() == {"ToMe ratio": 0.5,
+                                                                             "ToMe method": "Local"}
 
 
 def test_infotext_records_every_non_default_parameter_and_the_effective_ratio():
@@ -176,7 +179,7 @@ def test_infotext_records_every_non_default_parameter_and_the_effective_ratio():
         "ToMe max downsample": "2", "ToMe random": False, "ToMe merge cross-attention": True,
         "ToMe merge MLP": True, "ToMe ToDo factor": 3, "ToMe ToDo pooling": "average", "ToMe step start": 0.1,
         "ToMe step end": 0.9}
-    assert TokenMergeSettings(enabled=True, sx=3, sy=1).to_infotext() == {
+    assert TokenMergeSettings(enabled=True, sx=3, sy=1, size_weighted_keys=False).to_infotext() == {
         "ToMe ratio": 0.5, "ToMe stride x": 3, "ToMe stride y": 1}
 
 
@@ -187,6 +190,8 @@ ROUND_TRIP = [
     TokenMergeSettings(True, 0.9, True, 0.8, "todo", 8, 4, 1, False, True, True, 8, "average", 0.15, 0.85),
     TokenMergeSettings(enabled=True, max_downsample=1, method="ToMe", use_rand=False),
     TokenMergeSettings(enabled=True, ratio=0.8, method="Local", local_replan=3, merge_mlp=True),
+    TokenMergeSettings(enabled=True, ratio=0.25, method="Local", size_weighted_keys="On"),
+    TokenMergeSettings(enabled=True, size_weighted_keys=False),
 ]
 
 
@@ -210,13 +215,13 @@ def test_from_infotext_without_tome_is_off_and_rejects_bad_text():
 
 def test_infotexts_of_the_first_release_paste_back_unchanged():
     """Texts written before the local method existed: every control takes the value it took then, and the
-    new controls their defaults."""
+    new controls their defaults, but size-weighted keys off, as they were then."""
     text = {"ToMe ratio": "0.6", "ToMe method": "ToDo", "ToMe ToDo factor": "3", "ToMe step start": "0.2"}
     pasted = {key: tm.pasted_value(key, text) for key in tm.KEYS}
     assert pasted == dict(zip(tm.KEYS, [True, 0.6, False, 0.0, "ToDo", "auto", 2, 2, True, False, False, 3,
-                                        "nearest", 0.2, 1.0, 1, False]))
+                                        "nearest", 0.2, 1.0, 1, "Off"]))
     assert TokenMergeSettings.from_infotext(text) == TokenMergeSettings(True, 0.6, method="todo", todo_factor=3,
-                                                                        step_start=0.2)
+                                                                        step_start=0.2, size_weighted_keys=False)
 
 
 def test_pasted_values():
@@ -298,10 +303,63 @@ def test_size_weighted_keys_reaches_the_engine_infotext_and_paste_back():
     text = s.to_infotext()
     assert text["ToMe size-weighted keys"] is True
     assert TokenMergeSettings.from_infotext({k: str(v) for k, v in text.items()}) == s.effective()
-    assert "ToMe size-weighted keys" not in TokenMergeSettings(enabled=True).to_infotext()  # the default
     assert tm.parse_args([True, 0.5] + [tm.PARAM[k].default for k in API_KEYS[2:-1]] + [True]).size_weighted_keys
     assert tm.parse_args([{"enabled": True, "size_weighted_keys": True}]).size_weighted_keys
-    with pytest.raises(TypeError, match="size_weighted_keys must be True or False"):
-        tm.parse_args([{"enabled": True, "size_weighted_keys": "on"}])
     assert "size_weighted_keys" in tm.METHOD_KEYS["tome"] and "size_weighted_keys" in tm.METHOD_KEYS["local"]
     assert "size_weighted_keys" not in tm.METHOD_KEYS["todo"]
+
+
+@pytest.mark.parametrize("method, auto", [("ToMe", True), ("Local", False), ("ToDo", False)])
+def test_size_weighted_keys_auto_is_the_methods_measured_default(method, auto):
+    """Auto: on for ToMe, off for Local (the README's measure); ToDo reads no switch. The engine gets the
+    resolved value, and the infotext records it: written when on, absent when off."""
+    s = TokenMergeSettings(enabled=True, method=method)
+    assert s.size_weighted_keys is None and s.keys_size_weighted() is auto
+    assert s.engine_options(hires=False, seed=0)["size_weighted_keys"] is auto
+    assert s.effective().size_weighted_keys is auto
+    text = s.to_infotext()
+    assert text.get("ToMe size-weighted keys") == (True if auto else None)
+    again = TokenMergeSettings.from_infotext({k: str(v) for k, v in text.items()})
+    assert again == s.effective() and again.keys_size_weighted() is auto
+    for explicit in (True, False):  # an explicit choice wins over the method's default
+        chosen = TokenMergeSettings(enabled=True, method=method, size_weighted_keys=explicit)
+        assert chosen.keys_size_weighted() is explicit
+
+
+def test_an_infotext_written_before_auto_keeps_size_weighted_keys_off():
+    """Before "Auto", the default was off and an image with it off carried no key: pasted back, such an image
+    must still get it off (ToMe's Auto would turn it on), in the settings and in the UI control."""
+    legacy = {"ToMe ratio": "0.5", "Seed": "1"}
+    assert TokenMergeSettings.from_infotext(legacy).keys_size_weighted() is False
+    assert tm.pasted_value("size_weighted_keys", legacy) == "Off"
+    assert tm.pasted_value("size_weighted_keys", {**legacy, "ToMe size-weighted keys": "True"}) == "On"
+    assert tm.pasted_value("size_weighted_keys", {**legacy, "ToMe size-weighted keys": "perhaps"}) is None
+    assert tm.pasted_value("size_weighted_keys", {"Seed": "1"}) is None  # no ToMe entries: leave the control
+    # ToMe with it off explicitly writes nothing, and so pastes back as off too.
+    off = TokenMergeSettings(enabled=True, size_weighted_keys="Off")
+    assert "ToMe size-weighted keys" not in off.to_infotext()
+    assert TokenMergeSettings.from_infotext({k: str(v) for k, v in off.to_infotext().items()}) == off.effective()
+
+
+@pytest.mark.parametrize("value, canonical", [(None, None), (True, True), (False, False), ("Auto", None),
+                                              ("on", True), (" OFF ", False)])
+def test_size_weighted_keys_takes_the_ui_spellings_and_the_booleans_api_callers_sent(value, canonical):
+    assert tm.parse_args([{"enabled": True, "size_weighted_keys": value}]).size_weighted_keys is canonical
+    args = [True, 0.5] + [tm.PARAM[k].default for k in API_KEYS[2:-1]] + [value]
+    assert tm.parse_args(args).size_weighted_keys is canonical
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0, [True]])
+def test_size_weighted_keys_refuses_other_values_naming_them(value):
+    with pytest.raises(ValueError, match=r"size_weighted_keys must be True, False or None \(auto\), or one of "
+                                         r"'Auto', 'On', 'Off', got"):
+        tm.parse_args([{"enabled": True, "size_weighted_keys": value}])
+
+
+def test_size_weighted_keys_is_an_xyz_axis_whose_cells_say_auto_on_or_off():
+    axis = next(a for a in tm.XYZ_AXES if a.label == "[ToMe] Size-weighted keys")
+    assert axis.keys == ("size_weighted_keys",) and axis.choices == ("Auto", "On", "Off")
+    cells = {v: TokenMergeSettings().with_overrides(axis.overrides(v)).keys_size_weighted() for v in axis.choices}
+    assert cells == {"Auto": True, "On": True, "Off": False}
+    with pytest.raises(ValueError, match=r"\[ToMe\] Size-weighted keys: size_weighted_keys must be"):
+        axis.check("sometimes")

@@ -43,4 +43,4 @@ def test_an_attn1_replacement_in_the_forge_family_is_reported(fresh, capsys):
     assert "block calls ran without merging" in out
     # Every merged block's attention was replaced, and ToMe merges nothing else by default: the same image.
     assert torch.equal(image(processed), image(plain))
-    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.5"}
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.5", "ToMe size-weighted keys": "True"}

@@ -15,7 +15,7 @@ def merge_options(ratio: float, seed: int, **changes) -> MergeOptions:
     return MergeOptions(**{"ratio": ratio, "max_downsample": None, "sx": 2, "sy": 2, "use_rand": True,
                            "merge_attn": True, "merge_crossattn": False, "merge_mlp": False, "seed": seed,
                            "method": "tome", "todo_factor": 2, "todo_pool": "nearest", "step_start": 0.0,
-                           "step_end": 1.0, **changes})
+                           "step_end": 1.0, "size_weighted_keys": True, **changes})  # ToMe's "Auto"
 
 
 def test_txt2img_with_hires_fix_and_batch_count_2(fresh):
@@ -32,7 +32,7 @@ def test_txt2img_with_hires_fix_and_batch_count_2(fresh):
     assert not any(c.builtin for c in calls)
     assert len(processed.infotexts) == 4
     for infotext in processed.infotexts:
-        assert tome_keys(infotext) == {"ToMe ratio": "0.4", "ToMe hr ratio": "0.6"}
+        assert tome_keys(infotext) == {"ToMe ratio": "0.4", "ToMe hr ratio": "0.6", "ToMe size-weighted keys": "True"}
         assert "Token merging ratio" not in infotext
     fresh.assert_pristine()
 
@@ -45,7 +45,7 @@ def test_hires_only_leaves_every_first_pass_alone(fresh):
     # Batch 2's first pass runs right after batch 1's hires pass: the patch must be gone there too.
     assert [c.options for c in fresh.calls if not c.hr] == [None] * 4
     assert [c.options.ratio for c in fresh.calls if c.hr] == [0.3] * 4  # hires ratio 0: same as the ratio
-    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.3", "ToMe hires only": "True"}
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.3", "ToMe hires only": "True", "ToMe size-weighted keys": "True"}
     fresh.assert_pristine()
 
 
@@ -54,7 +54,7 @@ def test_img2img_patches_its_one_pass_and_ignores_the_hires_values(fresh):
     processed = fresh.img2img(args, seed=7, steps=4, denoising_strength=0.75)
     # int(0.75 * 4) + 1 = 4 evaluations.
     assert [c.options for c in fresh.calls] == [merge_options(0.45, 7, max_downsample=2)] * 4
-    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.45", "ToMe max downsample": "2"}
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.45", "ToMe max downsample": "2", "ToMe size-weighted keys": "True"}
     fresh.assert_pristine()
 
 

@@ -40,7 +40,7 @@ def test_tome_covers_the_refiners_steps_with_the_same_settings(fresh):
     assert [c.merging for c in calls] == [False, True, True, True]
     # Levels "auto" adapt to each U-Net: SD 1.x merges at full resolution, the SDXL-layout refiner at half.
     assert [c.levels for c in calls] == [{0}] * 2 + [{1}] * 2
-    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe step start": "0.2"}
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe step start": "0.2", "ToMe size-weighted keys": "True"}
     assert "Refiner: refiner" in processed.infotexts[0]
     assert_unpatched(other)  # both models restored after the job (the base by the fixture)
 
@@ -65,7 +65,7 @@ def test_a_refiner_sharing_the_base_config_keeps_the_patch(fresh):
     else:  # Forge builds a model object for every checkpoint it loads
         assert [c.model for c in fresh.calls] == [fresh.model] * 2 + [other] * 2
     assert [c.options.ratio for c in fresh.calls] == [0.3] * 4
-    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.3"}
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.3", "ToMe size-weighted keys": "True"}
     assert_unpatched(other)
 
 
@@ -76,7 +76,7 @@ def test_an_unsupported_refiner_runs_unmerged_and_the_infotext_says_so(fresh, ca
     assert [(c.model is other, c.options is not None) for c in fresh.calls] == 2 * (
         [(False, True)] * 2 + [(True, False)] * 2)
     for infotext in processed.infotexts:
-        assert tome_keys(infotext) == {"ToMe ratio": "0.5", "ToMe refiner": "unmerged"}
+        assert tome_keys(infotext) == {"ToMe ratio": "0.5", "ToMe refiner": "unmerged", "ToMe size-weighted keys": "True"}
     lines = [line for line in capsys.readouterr().out.splitlines() if "[ToMe]" in line]
     assert len(lines) == 1 and "refiner" in lines[0] and "transformer" in lines[0], lines
 
@@ -103,7 +103,7 @@ def test_hires_fix_with_the_refiner_merges_every_step_with_each_pass_ratio(fresh
     assert [c.model is other for c in calls] == switched[fresh.processing]
     assert [c.options.ratio for c in calls] == [0.4] * 4 + [0.6] * 3
     assert [c.levels for c in calls] == [{1} if c.model is other else {0} for c in calls]
-    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe hr ratio": "0.6"}
+    assert tome_keys(processed.infotexts[0]) == {"ToMe ratio": "0.4", "ToMe hr ratio": "0.6", "ToMe size-weighted keys": "True"}
     assert_unpatched(other)
 
 

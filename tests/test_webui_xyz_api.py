@@ -53,7 +53,7 @@ def run_grid(host, x_label, x_values, y_label="Nothing", y_values="", tome_value
 def test_xyz_grid_of_three_ratio_cells(fresh):
     p, processed = run_grid(fresh, "[ToMe] Ratio", "0.2, 0.4, 0.6")  # the accordion itself is off
     assert [c.options.ratio for c in fresh.calls] == [0.2, 0.2, 0.4, 0.4, 0.6, 0.6]
-    assert [tome_keys(t) for t in processed.infotexts] == [{"ToMe ratio": r} for r in ("0.2", "0.4", "0.6")]
+    assert [tome_keys(t) for t in processed.infotexts] == [{"ToMe ratio": r, "ToMe size-weighted keys": "True"} for r in ("0.2", "0.4", "0.6")]
     assert not hasattr(p, tm.OVERRIDES_ATTRIBUTE)  # values live on each cell's copy only
     assert p.extra_generation_params == {}
     fresh.assert_pristine()
@@ -66,9 +66,9 @@ def test_xyz_cells_do_not_leak_into_each_other(fresh):
     assert cells == [("todo", 1, 1), ("tome", 1, 1), ("todo", 3, 3), ("tome", 3, 3)]
     assert [tome_keys(t) for t in processed.infotexts] == [
         {"ToMe ratio": "0.0", "ToMe method": "ToDo", "ToMe stride x": "1", "ToMe stride y": "1"},
-        {"ToMe ratio": "0.0", "ToMe stride x": "1", "ToMe stride y": "1"},
+        {"ToMe ratio": "0.0", "ToMe stride x": "1", "ToMe stride y": "1", "ToMe size-weighted keys": "True"},
         {"ToMe ratio": "0.3", "ToMe method": "ToDo", "ToMe stride x": "3", "ToMe stride y": "3"},
-        {"ToMe ratio": "0.3", "ToMe stride x": "3", "ToMe stride y": "3"}]
+        {"ToMe ratio": "0.3", "ToMe stride x": "3", "ToMe stride y": "3", "ToMe size-weighted keys": "True"}]
     fresh.assert_pristine()
 
 
@@ -85,9 +85,9 @@ def test_xyz_local_method_and_replan_axes(fresh):
     cells = [(c.options.method, c.options.local_replan, c.options.ratio) for c in fresh.calls[::2]]
     assert cells == [("local", 1, 0.75), ("tome", 1, 0.75), ("local", 3, 0.75), ("tome", 3, 0.75)]
     assert [tome_keys(t) for t in processed.infotexts] == [
-        {"ToMe ratio": "0.75", "ToMe method": "Local"}, {"ToMe ratio": "0.75"},
+        {"ToMe ratio": "0.75", "ToMe method": "Local"}, {"ToMe ratio": "0.75", "ToMe size-weighted keys": "True"},
         {"ToMe ratio": "0.75", "ToMe method": "Local", "ToMe re-plan every": "3"},
-        {"ToMe ratio": "0.75", "ToMe re-plan every": "3"}]
+        {"ToMe ratio": "0.75", "ToMe re-plan every": "3", "ToMe size-weighted keys": "True"}]
     fresh.assert_pristine()
 
 

@@ -230,8 +230,12 @@ class TokenMergePatch:
             handle.remove()
         self._handles.clear()
         for module in self._own_attention:
-            if isinstance(module.__dict__.get("forward"), _BiasedAttention):
-                del module.forward
+            ours = module.__dict__.get("forward")
+            if isinstance(ours, _BiasedAttention):
+                if ours.previous is None:
+                    del module.forward
+                else:  # another extension's forward on the instance (Hypertile's) before ours: give it back
+                    module.forward = ours.previous
         self._own_attention.clear()
         for rec in self.records:
             rec.plan = None
@@ -530,10 +534,11 @@ class _BiasedAttention:
     ``CrossAttention``, whose ``mask`` is boolean and which the webui's attention optimisations replace):
     with a bias pending for this call, the module's own projections around PyTorch's scaled-dot-product
     attention with that bias broadcast over queries; without one, the module's class forward as it is now
-    (the webui's optimised one), untouched."""
+    (the webui's optimised one), untouched, or the forward another extension had set on the instance."""
 
     def __init__(self, module: nn.Module, rec: _BlockRecord) -> None:
         self.module, self.rec = module, rec
+        self.previous = module.__dict__.get("forward")  # restored by ``uninstall``
 
     def __call__(self, *args, **kwargs):
         bias, self.rec.key_bias = self.rec.key_bias, None
@@ -543,6 +548,8 @@ class _BiasedAttention:
         keys = x if keys is None else keys
         if (bias is None or _slot(args, kwargs, 2, "mask") is not None or not isinstance(keys, torch.Tensor)
                 or bias.shape != keys.shape[:2]):
+            if self.previous is not None:
+                return self.previous(*args, **kwargs)
             return type(m).forward(m, *args, **kwargs)
         values = kwargs.get("value")
         values = keys if values is None else values

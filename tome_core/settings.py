@@ -36,7 +36,18 @@ OVERRIDES_ATTRIBUTE = "tokenmerge_xyz"
 AUTO_LEVELS = "auto"
 MAX_LOCAL_REPLAN_UI = 10
 
-BOOL, FLOAT, INT, CHOICE, LEVELS = "bool", "float", "int", "choice", "levels"
+BOOL, FLOAT, INT, CHOICE, LEVELS, SWITCH = "bool", "float", "int", "choice", "levels", "switch"
+SWITCH_CHOICES = ("Auto", "On", "Off")
+"""A switch's spellings in the UI: Auto (canonical None: the chosen method's own default), On (True), Off (False)."""
+
+SIZE_WEIGHTED_BY_METHOD: dict[str, bool] = {"tome": True, "todo": False, "local": False}
+"""What "Auto" size-weighted keys means per method, chosen by the benchmark's fidelity measure on the three
+shipped proxies (README, "Size-weighted keys"): on for ToMe, whose uneven groups it corrects (closer per step
+on all three at 0.25 and 0.5, 0.1 to 0.3 dB further at 0.75); off for Local (further per step at 0.25 on all
+three, no change at 0.5 and 0.75, where its groups are equal). ToDo's keys all stand for the same number of
+tokens: it would change nothing there."""
+
+_SAME_AS_DEFAULT = object()
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,13 @@ class Param:
     step: float | None = None
     choices: tuple[str, ...] = ()
     txt2img_only: bool = False
+    absent: Any = _SAME_AS_DEFAULT
+    """What an infotext without this parameter's key means, where that is not the default: images made before
+    the default changed must give the same picture when pasted back."""
+
+    @property
+    def absent_value(self) -> Any:
+        return self.default if self.absent is _SAME_AS_DEFAULT else self.absent
 
     def normalise(self, value: Any) -> Any:
         """The canonical form of ``value``; TypeError/ValueError naming the parameter, value and range."""
@@ -69,6 +87,8 @@ class Param:
             if isinstance(value, str) and value.lower() in {c.lower() for c in self.choices}:
                 return value.lower()
             raise ValueError(f"{self.key} must be one of {', '.join(map(repr, self.choices))}, got {value!r}")
+        if self.kind == SWITCH:
+            return _normalise_switch(self.key, value)
         return _normalise_levels(self.key, value)
 
     def to_ui(self, value: Any) -> Any:
@@ -77,10 +97,19 @@ class Param:
             return next(c for c in self.choices if c.lower() == value)
         if self.kind == LEVELS:
             return AUTO_LEVELS if value is None else str(value)
+        if self.kind == SWITCH:
+            return SWITCH_CHOICES[0] if value is None else SWITCH_CHOICES[1 if value else 2]
         return value
+
+    def to_infotext(self, value: Any) -> Any:
+        """``value`` (canonical, resolved) as the infotext records it: a switch as True/False, which is also
+        how the boolean parameter it was before wrote it."""
+        return value if self.kind == SWITCH else self.to_ui(value)
 
     def from_text(self, text: str) -> Any:
         """Parse an infotext value (always a string there) into the canonical value."""
+        if self.kind in (BOOL, SWITCH) and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"
         if self.kind == BOOL:
             lowered = text.strip().lower()
             if lowered not in ("true", "false"):
@@ -93,6 +122,15 @@ class Param:
                 raise ValueError(f"{self.key} must be a number in [{self.low}, {self.high}], got {text!r}") from None
             return self.normalise(number)
         return self.normalise(text.strip())
+
+
+def _normalise_switch(key: str, value: Any) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("auto", "on", "off"):
+        return {"auto": None, "on": True, "off": False}[value.strip().lower()]
+    spellings = ", ".join(map(repr, SWITCH_CHOICES))
+    raise ValueError(f"{key} must be True, False or None (auto), or one of {spellings}, got {value!r}")
 
 
 def _normalise_levels(key: str, value: Any) -> int | None:
@@ -135,7 +173,9 @@ PARAMS: tuple[Param, ...] = (
     # Appended after the parameters of the first release, so positional API calls made for it keep working.
     Param("local_replan", INT, 1, "Re-plan every (steps)", "ToMe re-plan every", "[ToMe] Re-plan every",
           1, MAX_LOCAL_REPLAN_UI, 1),
-    Param("size_weighted_keys", BOOL, False, "Size-weighted keys", "ToMe size-weighted keys"),
+    # Auto since SIZE_WEIGHTED_BY_METHOD, off before: an infotext without the key was made with it off.
+    Param("size_weighted_keys", SWITCH, None, "Size-weighted keys", "ToMe size-weighted keys",
+          "[ToMe] Size-weighted keys", choices=SWITCH_CHOICES, absent=False),
 )
 METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "tome": ("sx", "sy", "use_rand", "merge_crossattn", "merge_mlp", "size_weighted_keys"),
@@ -172,7 +212,7 @@ class TokenMergeSettings:
     step_start: float = _default("step_start")
     step_end: float = _default("step_end")
     local_replan: int = _default("local_replan")
-    size_weighted_keys: bool = _default("size_weighted_keys")
+    size_weighted_keys: bool | None = _default("size_weighted_keys")
 
     def __post_init__(self) -> None:
         for param in PARAMS:
@@ -193,6 +233,13 @@ class TokenMergeSettings:
         ratio = self.hr_ratio if hires and self.hr_ratio > 0 else self.ratio
         return effective_ratio(ratio, *self.cap_cell())
 
+    def keys_size_weighted(self) -> bool:
+        """Whether self-attention weighs each key by the tokens it stands for: the switch, or with "Auto"
+        (None) the method's own default (``SIZE_WEIGHTED_BY_METHOD``)."""
+        if self.size_weighted_keys is None:
+            return SIZE_WEIGHTED_BY_METHOD[self.method]
+        return self.size_weighted_keys
+
     def cap_cell(self) -> tuple[int, int]:
         """(sx, sy) of the cell that caps the ratio: the stride, or the local method's 2×2 window."""
         return method_strides(self.method, self.sx, self.sy)
@@ -203,7 +250,7 @@ class TokenMergeSettings:
                     use_rand=self.use_rand, merge_crossattn=self.merge_crossattn, merge_mlp=self.merge_mlp,
                     method=self.method, todo_factor=self.todo_factor, todo_pool=self.todo_pool,
                     step_start=self.step_start, step_end=self.step_end, seed=seed,
-                    local_replan=self.local_replan, size_weighted_keys=self.size_weighted_keys)
+                    local_replan=self.local_replan, size_weighted_keys=self.keys_size_weighted())
 
     # -- derived settings ----------------------------------------------------------------------------------
 
@@ -217,32 +264,38 @@ class TokenMergeSettings:
         return replace(self, hr_only=_default("hr_only"), hr_ratio=_default("hr_ratio"))
 
     def effective(self) -> TokenMergeSettings:
-        """The same behaviour, with each ratio replaced by the ratio the stride allows."""
+        """The same behaviour, with each ratio replaced by the ratio the stride allows and each "Auto" by what
+        it means for this method."""
         return replace(self, ratio=effective_ratio(self.ratio, *self.cap_cell()),
-                       hr_ratio=effective_ratio(self.hr_ratio, *self.cap_cell()))
+                       hr_ratio=effective_ratio(self.hr_ratio, *self.cap_cell()),
+                       size_weighted_keys=self.keys_size_weighted())
 
     # -- infotext ------------------------------------------------------------------------------------------
 
     def to_infotext(self) -> dict[str, Any]:
         """Infotext entries: none when off; else "ToMe ratio" (the effective ratio) and every other parameter
-        that differs from its default. ``from_infotext`` of the text gives back ``self.effective()``."""
+        whose effective value differs from what its absence means (``Param.absent_value``: the default, or
+        for size-weighted keys off, as before its default became per method). ``from_infotext`` of the text
+        gives back ``self.effective()``."""
         if not self.enabled:
             return {}
         used = self.effective()
         entries: dict[str, Any] = {RATIO_INFOTEXT: used.ratio}
         for param in PARAMS:
             value = getattr(used, param.key)
-            if param.infotext and param.infotext != RATIO_INFOTEXT and value != param.default:
-                entries[param.infotext] = param.to_ui(value)
+            if param.infotext and param.infotext != RATIO_INFOTEXT and value != param.absent_value:
+                entries[param.infotext] = param.to_infotext(value)
         return entries
 
     @classmethod
     def from_infotext(cls, params: Mapping[str, str]) -> TokenMergeSettings:
-        """Settings from parsed infotext (``{key: text}``): on when "ToMe ratio" is there, absent keys at their
-        defaults. Raises TypeError/ValueError on a value that does not parse."""
+        """Settings from parsed infotext (``{key: text}``): on when "ToMe ratio" is there, absent keys at what
+        their absence means (``Param.absent_value``). Raises TypeError/ValueError on a value that does not
+        parse."""
         if RATIO_INFOTEXT not in params:
             return cls()
-        values = {p.key: p.from_text(str(params[p.infotext])) for p in PARAMS if p.infotext in params}
+        values = {p.key: p.from_text(str(params[p.infotext])) if p.infotext in params else p.absent_value
+                  for p in PARAMS if p.infotext}
         return cls(enabled=True, **values)
 
     def ui_values(self) -> list[Any]:
@@ -274,15 +327,15 @@ def parse_args(args: Sequence[Any]) -> TokenMergeSettings:
 
 def pasted_value(key: str, params: Mapping[str, str]) -> Any:
     """The UI value a control takes when ``params`` (parsed infotext) is pasted: None (leave the control as
-    it is) when the text has no ToMe entries or holds a bad value for ``key``; the default when the key is
-    absent, so that pasting reproduces the generation."""
+    it is) when the text has no ToMe entries or holds a bad value for ``key``; what the key's absence means
+    when it is absent (``Param.absent_value``), so that pasting reproduces the generation."""
     param = PARAM[key]
     if key == "enabled":  # on only with a ratio that parses: a broken ratio must not switch ToMe on
         return RATIO_INFOTEXT in params and pasted_value("ratio", params) is not None
     if RATIO_INFOTEXT not in params:
         return None
     if param.infotext not in params:
-        return param.to_ui(param.default)
+        return param.to_ui(param.absent_value)
     try:
         return param.to_ui(param.from_text(str(params[param.infotext])))
     except (TypeError, ValueError):
@@ -353,7 +406,7 @@ def _axes() -> tuple[Axis, ...]:
     for param in PARAMS:
         if param.xyz:
             by_label.setdefault(param.xyz, []).append(param)
-    value_types = {FLOAT: float, INT: int, CHOICE: str, LEVELS: str}
+    value_types = {FLOAT: float, INT: int, CHOICE: str, LEVELS: str, SWITCH: str}
     return tuple(Axis(label, tuple(p.key for p in params), value_types[params[0].kind], params[0].choices,
                       all(p.txt2img_only for p in params))
                  for label, params in by_label.items())

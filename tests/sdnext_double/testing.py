@@ -197,7 +197,13 @@ def infotext_params(text: str) -> dict:
 
 
 def tome_keys(text: str) -> dict:
-    return {k: v for k, v in infotext_params(text).items() if k.startswith("ToMe")}
+    """The ToMe entries as a paste reads them: SD.Next's parser, which types its values but skips keys with a
+    hyphen, then the infotext_pasted callbacks, whose ToMe one adds those keys as the text spells them."""
+    from modules import script_callbacks
+
+    params = infotext_params(text)
+    script_callbacks.infotext_pasted_callback(text, params)
+    return {k: v for k, v in params.items() if k.startswith("ToMe")}
 
 
 def image(response) -> torch.Tensor:
