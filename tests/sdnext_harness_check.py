@@ -87,6 +87,9 @@ class Server:
         return result
 
 
+WEIGHTED = {"ToMe size-weighted keys": "True"}  # ToMe's "Auto" size-weighted keys, recorded in every ToMe image
+
+
 def tome_keys(infotext: str) -> dict:
     last = infotext.strip().split("\n")[-1] if infotext else ""
     return dict(re.findall(r"(?:^|, )(ToMe[^:,]*|ToDo): ([^,]*)", last))
@@ -109,13 +112,16 @@ def check_basics(s: Server) -> tuple[dict, dict]:
     check("plain", plain["status"] == 200 and plain["keys"] == {}, describe(plain))
     tome = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
     check("ToMe 0.5 changes the pixels", tome["md5"] not in (None, plain["md5"]) and tome["lines"] == []
-          and tome["keys"] == {"ToMe ratio": "0.5"}, describe(tome))
+          and tome["keys"] == {"ToMe ratio": "0.5", **WEIGHTED}, describe(tome))
     again = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
     check("ToMe 0.5 again: the same pixels", again["md5"] == tome["md5"], describe(again))
     after = s.generate()
     check("plain after: the plain pixels", after["md5"] == plain["md5"], describe(after))
     positional = s.generate(tome=[True, 0.5])
     check("positional [true, 0.5] = the dict form", positional["md5"] == tome["md5"], describe(positional))
+    unweighted = s.generate(tome=[{"enabled": True, "ratio": 0.5, "size_weighted_keys": False}])
+    check("ToMe 0.5, size-weighted keys off: other pixels, no key", unweighted["md5"] not in
+          (None, plain["md5"], tome["md5"]) and unweighted["keys"] == {"ToMe ratio": "0.5"}, describe(unweighted))
     for method in ("ToDo", "Local"):
         r = s.generate(tome=[{"enabled": True, "ratio": 0.5, "method": method}])
         check(f"{method}", r["md5"] not in (None, plain["md5"], tome["md5"]) and r["lines"] == []
@@ -138,9 +144,11 @@ def check_hires(s: Server, plain: dict, hires: dict) -> None:
     hires_ratio = s.generate(tome=[{"enabled": True, "ratio": 0.5, "hr_ratio": 0.3}], **hires)
     check("hires, both passes", hires_all["md5"] not in (None, hires_plain["md5"]), describe(hires_all))
     check("hires fix only", hires_only["md5"] not in (None, hires_plain["md5"], hires_all["md5"])
-          and hires_only["keys"] == {"ToMe ratio": "0.5", "ToMe hires only": "True"}, describe(hires_only))
+          and hires_only["keys"] == {"ToMe ratio": "0.5", "ToMe hires only": "True", **WEIGHTED},
+          describe(hires_only))
     check("hires ratio 0.3", hires_ratio["md5"] not in (None, hires_plain["md5"], hires_all["md5"])
-          and hires_ratio["keys"] == {"ToMe ratio": "0.5", "ToMe hr ratio": "0.3"}, describe(hires_ratio))
+          and hires_ratio["keys"] == {"ToMe ratio": "0.5", "ToMe hr ratio": "0.3", **WEIGHTED},
+          describe(hires_ratio))
     no_hires = s.generate(tome=[{"enabled": True, "hr_only": True}])
     check("hires fix only without hires", no_hires["md5"] == plain["md5"] and len(no_hires["lines"]) == 1,
           describe(no_hires))
@@ -163,7 +171,8 @@ def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:
     i2i_plain = s.generate("img2img", init_images=[init], denoising_strength=0.6)
     i2i_tome = s.generate("img2img", tome=[{"enabled": True, "ratio": 0.5}], init_images=[init],
                           denoising_strength=0.6)
-    check("img2img", i2i_tome["md5"] not in (None, i2i_plain["md5"]) and i2i_tome["keys"] == {"ToMe ratio": "0.5"},
+    check("img2img", i2i_tome["md5"] not in (None, i2i_plain["md5"])
+          and i2i_tome["keys"] == {"ToMe ratio": "0.5", **WEIGHTED},
           f"plain {i2i_plain['md5']} tome {describe(i2i_tome)}")
 
 
@@ -188,7 +197,7 @@ def main() -> int:
     check("built-in ToMe alone (its own job)", "Applying ToMe: ratio=0.5" in builtin_only["log"]
           and builtin_only["keys"] == {"ToMe": "0.5"}, describe(builtin_only))
     check("built-in ToMe set aside for the accordion's job", "Applying ToMe" not in aside["log"]
-          and aside["md5"] == tome["md5"] and aside["keys"] == {"ToMe ratio": "0.5"} and len(aside["lines"]) == 1,
+          and aside["md5"] == tome["md5"] and aside["keys"] == {"ToMe ratio": "0.5", **WEIGHTED} and len(aside["lines"]) == 1,
           describe(aside))
     check("built-in settings back after the job", isinstance(options, dict) and options.get("tome_ratio") == 0.5
           and options.get("token_merging_method") == "ToMe" and "Applying ToMe: ratio=0.5" in builtin_back["log"],
@@ -205,8 +214,8 @@ def main() -> int:
         "[ToMe] Ratio", "0.5,0.3", "", "Nothing", "", "", "Nothing", "", "",
         False, True, False, True, False, True, False, False])
     cells = [tome_keys(t) for t in grid.get("infotexts", [])]
-    check("X/Y/Z grid over [ToMe] Ratio", grid["status"] == 200 and {"ToMe ratio": "0.5"} in cells
-          and {"ToMe ratio": "0.3"} in cells and tome["md5"] in grid.get("md5s", []),
+    check("X/Y/Z grid over [ToMe] Ratio", grid["status"] == 200 and {"ToMe ratio": "0.5", **WEIGHTED} in cells
+          and {"ToMe ratio": "0.3", **WEIGHTED} in cells and tome["md5"] in grid.get("md5s", []),
           f"{len(grid.get('md5s', []))} images {grid.get('md5s')} cells {cells}")
     print(f"{len(failures)} failed" if failures else "all passed")
     return 1 if failures else 0

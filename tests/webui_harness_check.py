@@ -20,16 +20,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sdnext_harness_check import (Server, check, check_basics, check_failure_and_img2img,  # noqa: E402
-                                  check_hires, describe, failures, tome_keys)
+                                  check_hires, describe, failures, tome_keys, WEIGHTED)
 
 HIRES = dict(enable_hr=True, hr_scale=2.0, hr_upscaler="Latent", hr_second_pass_steps=2, denoising_strength=0.5)
 XYZ = "x/y/z plot"
 
 
-def xyz_args(s: Server, label: str, values: str) -> list | None:
+def xyz_args(s: Server, label: str, values: str | list[str]) -> list | None:
     """The X/Y/Z plot's script_args for one X axis: the axis by its index in the txt2img list, as the UI sends,
     the legend and each cell's image on, every other argument at the default the host lists (reForge's script
-    has three more than A1111 1.10's, in the middle)."""
+    has three more than A1111 1.10's, in the middle). ``values``: the text field's, or a list for an axis with
+    choices, which the plot takes from its dropdown."""
     status, info = s.call("/sdapi/v1/script-info")
     if status != 200:
         return None
@@ -40,7 +41,8 @@ def xyz_args(s: Server, label: str, values: str) -> list | None:
                 return None
             index = choices.index(label)
             args = [arg.get("value") for arg in script["args"]]
-            args[:9] = [index, values, [], 0, "", [], 0, "", []]  # X on the axis, no Y or Z
+            text, dropdown = ("", values) if isinstance(values, list) else (values, [])
+            args[:9] = [index, text, dropdown, 0, "", [], 0, "", []]  # X on the axis, no Y or Z
             for i, arg in enumerate(script["args"]):
                 if arg.get("label") in ("Draw legend", "Include Sub Images"):
                     args[i] = True
@@ -78,9 +80,17 @@ def main() -> int:
     if script_args is not None:
         grid = s.generate(script_name=XYZ, script_args=script_args)
         cells = [tome_keys(t) for t in grid.get("infotexts", [])]
-        check("X/Y/Z grid over [ToMe] Ratio", grid["status"] == 200 and {"ToMe ratio": "0.5"} in cells
-              and {"ToMe ratio": "0.3"} in cells and tome["md5"] in grid.get("md5s", []),
+        check("X/Y/Z grid over [ToMe] Ratio", grid["status"] == 200 and {"ToMe ratio": "0.5", **WEIGHTED} in cells
+              and {"ToMe ratio": "0.3", **WEIGHTED} in cells and tome["md5"] in grid.get("md5s", []),
               f"{len(grid.get('md5s', []))} images cells {cells}")
+    switch_args = xyz_args(s, "[ToMe] Size-weighted keys", ["Auto", "Off"])
+    check("X/Y/Z size-weighted axis listed", switch_args is not None, "[ToMe] Size-weighted keys in the axes")
+    if switch_args is not None:
+        grid = s.generate(script_name=XYZ, script_args=switch_args)
+        cells = [tome_keys(t) for t in grid.get("infotexts", [])]
+        check("X/Y/Z grid over [ToMe] Size-weighted keys", grid["status"] == 200
+              and {"ToMe ratio": "0.5", **WEIGHTED} in cells and {"ToMe ratio": "0.5"} in cells
+              and len(set(grid.get("md5s", [])[-2:])) == 2, f"{len(grid.get('md5s', []))} images cells {cells}")
     last = s.generate()
     check("plain at the end: the plain pixels", last["md5"] == plain["md5"], describe(last))
     print(f"{len(failures)} failed" if failures else "all passed")
