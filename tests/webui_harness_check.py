@@ -50,6 +50,23 @@ def xyz_args(s: Server, label: str, values: str | list[str]) -> list | None:
     return None
 
 
+def check_hypertile(s: Server) -> None:
+    """The A1111 WebUI's built-in Hypertile (its forward set on every attention layer): ToMe sets it aside on
+    the layers it merges, with size-weighted keys on (ToMe's Auto, whose attention there is its own forward),
+    and the next Hypertile job tiles as the one before it did."""
+    hypertile = {"override_settings": {"hypertile_enable_unet": True, "hypertile_max_tile_unet": 64,
+                                       "hypertile_max_depth_unet": 3}, "width": 256, "height": 256}
+    plain = s.generate(width=256, height=256)
+    tiled = s.generate(**hypertile)
+    check("Hypertile alone tiles", tiled["md5"] not in (None, plain["md5"]), describe(tiled))
+    merged = s.generate(tome=[{"enabled": True, "ratio": 0.5}], **hypertile)
+    check("Hypertile and ToMe: set aside on the merged layers", merged["md5"] not in (None, tiled["md5"])
+          and merged["keys"].get("ToMe Hypertile") == "set aside on merged blocks"
+          and merged["keys"].get("ToMe size-weighted keys") == "True", describe(merged))
+    again = s.generate(**hypertile)
+    check("Hypertile alone after: the same tiled pixels", again["md5"] == tiled["md5"], describe(again))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=os.environ.get("A1111_URL", "http://127.0.0.1:7861"))
@@ -91,6 +108,8 @@ def main() -> int:
         check("X/Y/Z grid over [ToMe] Size-weighted keys", grid["status"] == 200
               and {"ToMe ratio": "0.5", **WEIGHTED} in cells and {"ToMe ratio": "0.5"} in cells
               and len(set(grid.get("md5s", [])[-2:])) == 2, f"{len(grid.get('md5s', []))} images cells {cells}")
+    if not args.forge:  # the Forge family's Hypertile is another extension with other settings
+        check_hypertile(s)
     last = s.generate()
     check("plain at the end: the plain pixels", last["md5"] == plain["md5"], describe(last))
     print(f"{len(failures)} failed" if failures else "all passed")
