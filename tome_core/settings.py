@@ -39,6 +39,7 @@ MAX_LOCAL_REPLAN_UI = 10
 BOOL, FLOAT, INT, CHOICE, LEVELS, SWITCH = "bool", "float", "int", "choice", "levels", "switch"
 SWITCH_CHOICES = ("Auto", "On", "Off")
 """A switch's spellings in the UI: Auto (canonical None: the chosen method's own default), On (True), Off (False)."""
+_SWITCH_VALUES: dict[str, bool | None] = dict(zip((c.lower() for c in SWITCH_CHOICES), (None, True, False)))
 
 SIZE_WEIGHTED_BY_METHOD: dict[str, bool] = {"tome": True, "todo": False, "local": False}
 """What "Auto" size-weighted keys means per method, chosen by the benchmark's fidelity measure on the three
@@ -98,7 +99,7 @@ class Param:
         if self.kind == LEVELS:
             return AUTO_LEVELS if value is None else str(value)
         if self.kind == SWITCH:
-            return SWITCH_CHOICES[0] if value is None else SWITCH_CHOICES[1 if value else 2]
+            return next(c for c in SWITCH_CHOICES if _SWITCH_VALUES[c.lower()] is value)
         return value
 
     def to_infotext(self, value: Any) -> Any:
@@ -108,7 +109,7 @@ class Param:
 
     def from_text(self, text: str) -> Any:
         """Parse an infotext value (always a string there) into the canonical value."""
-        if self.kind in (BOOL, SWITCH) and text.strip().lower() in ("true", "false"):
+        if self.kind == SWITCH and text.strip().lower() in ("true", "false"):  # what the infotext records
             return text.strip().lower() == "true"
         if self.kind == BOOL:
             lowered = text.strip().lower()
@@ -127,8 +128,8 @@ class Param:
 def _normalise_switch(key: str, value: Any) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in ("auto", "on", "off"):
-        return {"auto": None, "on": True, "off": False}[value.strip().lower()]
+    if isinstance(value, str) and value.strip().lower() in _SWITCH_VALUES:
+        return _SWITCH_VALUES[value.strip().lower()]
     spellings = ", ".join(map(repr, SWITCH_CHOICES))
     raise ValueError(f"{key} must be True, False or None (auto), or one of {spellings}, got {value!r}")
 
@@ -173,7 +174,7 @@ PARAMS: tuple[Param, ...] = (
     # Appended after the parameters of the first release, so positional API calls made for it keep working.
     Param("local_replan", INT, 1, "Re-plan every (steps)", "ToMe re-plan every", "[ToMe] Re-plan every",
           1, MAX_LOCAL_REPLAN_UI, 1),
-    # Auto since SIZE_WEIGHTED_BY_METHOD, off before: an infotext without the key was made with it off.
+    # Off by default until Auto existed: an infotext without the key was made with it off.
     Param("size_weighted_keys", SWITCH, None, "Size-weighted keys", "ToMe size-weighted keys",
           "[ToMe] Size-weighted keys", choices=SWITCH_CHOICES, absent=False),
 )
