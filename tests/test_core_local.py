@@ -294,7 +294,7 @@ def test_an_attention_call_with_another_batch_or_token_count_runs_unmerged():
     attn1 = rec.module.attn1
     x = torch.randn(2, 64, attn1.to_q.in_features)
     rec.grid = (8, 8)
-    rec.plan = tome_core.get_patch(unet).local_plan(rec, x)
+    rec.plan = tome_core.get_patch(unet).level_plan(rec, x)
     assert rec.plan is not None
     with torch.no_grad():
         for part in (x[:1], x[:, :32]):
@@ -303,7 +303,7 @@ def test_an_attention_call_with_another_batch_or_token_count_runs_unmerged():
             tome_core.apply_patch(unet, ratio=0.5, method="local")
             rec = tome_core.get_patch(unet).selected[0]
             rec.grid, rec.layout = (8, 8), (2, 64)
-            rec.plan = tome_core.get_patch(unet).local_plan(rec, x)
+            rec.plan = tome_core.get_patch(unet).level_plan(rec, x)
             assert torch.equal(attn1(part), exact)
             merged = attn1(x)
             assert merged.shape == x.shape and not torch.equal(merged, attn1.forward(x))
@@ -319,7 +319,7 @@ def test_queries_stay_whole_and_keys_and_values_come_from_the_kept_tokens():
     attn1 = rec.module.attn1
     x = torch.randn(2, 64, attn1.to_q.in_features, generator=torch.Generator().manual_seed(3))
     rec.grid, rec.layout = (8, 8), (2, 64)
-    rec.plan = patch.local_plan(rec, x)
+    rec.plan = patch.level_plan(rec, x)
     kept = loc.reference_keep(x, 8, 8, 0.5)
     assert kept.shape[1] == 32
     with torch.no_grad():

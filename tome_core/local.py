@@ -234,15 +234,7 @@ def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
     # host time the step may wait on, so everything that does not depend on the features is a table made
     # beforehand, and the chosen candidate indexes those tables directly.
     with torch.no_grad():
-        # (B·W, 4, C): each window's tokens as unit vectors, in at least float32 so that half-precision
-        # features rank pairs by one rounding; all-zero rows stay zero (cosine 0 with everything).
-        exact = metric.dtype if metric.dtype in (torch.float32, torch.float64) else torch.float32
-        win = metric.reshape(batch * tokens, channels).index_select(0, layout["window_rows"])
-        unit = F.normalize(win.view(-1, 4, channels).to(exact), dim=-1, eps=torch.finfo(exact).tiny)
-        cosine = torch.bmm(unit, unit.transpose(1, 2))  # (B·W, 4, 4)
-        # Each candidate's summed pair cosine, and −1e4 for candidates with another merge count.
-        scores = torch.addmm(layout["penalty"].to(exact), cosine.view(-1, 16), layout["incidence"].to(exact))
-        key = scores.argmax(dim=-1).to(idt) + layout["candidate_offset"]  # (B·W,) rows of the tables
+        key = chosen_candidates(metric, layout, idt)
         picked = layout["first_rows"].index_select(0, key).view(-1)
         if layout["edge_rows"] is not None:
             picked = torch.cat([picked, layout["edge_rows"]])
@@ -254,6 +246,24 @@ def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
                 sizes = torch.cat([sizes, layout["edge_sizes"]])
             sizes = sizes.index_select(0, layout["keep_pick"])
     return LocalPlan(keep_index, batch, tokens, layout["merged"], sizes)
+
+
+def chosen_candidates(metric: torch.Tensor, layout: dict, idt: torch.dtype) -> torch.Tensor:
+    """(B·W,) of ``idt``: for each window (b, j) the row (b·W + j)·11 + c of the per-candidate tables of the
+    grouping c it takes, from tokens ``metric`` (B, N, C) and a ``_layout``'s tables.
+
+    Per window, the candidate with the window's merge count whose pairs have the highest summed cosine wins
+    (with one merge: the fixed pair); ties go to the earlier candidate."""
+    batch, tokens, channels = metric.shape
+    # (B·W, 4, C): each window's tokens as unit vectors, in at least float32 so that half-precision features
+    # rank pairs by one rounding; all-zero rows stay zero (cosine 0 with everything).
+    exact = metric.dtype if metric.dtype in (torch.float32, torch.float64) else torch.float32
+    win = metric.reshape(batch * tokens, channels).index_select(0, layout["window_rows"])
+    unit = F.normalize(win.view(-1, 4, channels).to(exact), dim=-1, eps=torch.finfo(exact).tiny)
+    cosine = torch.bmm(unit, unit.transpose(1, 2))  # (B·W, 4, 4)
+    # Each candidate's summed pair cosine, and −1e4 for candidates with another merge count.
+    scores = torch.addmm(layout["penalty"].to(exact), cosine.view(-1, 16), layout["incidence"].to(exact))
+    return scores.argmax(dim=-1).to(idt) + layout["candidate_offset"]
 
 
 def reference_keep(x: torch.Tensor, h: int, w: int, ratio: float) -> torch.Tensor:

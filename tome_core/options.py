@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 
-METHODS = ("tome", "todo", "local")
+METHODS = ("tome", "todo", "local", "stack")
 TODO_POOLS = ("nearest", "average")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
 MAX_STRIDE = 8
 MAX_TODO_FACTOR = 8
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_LOCAL_REPLAN = 1000
-LOCAL_WINDOW = 2  # the local method's windows are 2×2 tokens, whatever the ToMe stride
+LOCAL_WINDOW = 2  # the local and stack methods' windows are 2×2 tokens, whatever the ToMe stride
+WINDOW_METHODS = ("local", "stack")  # the methods that group tokens in those windows
 
 
 def ratio_cap(sx: int, sy: int) -> float:
@@ -30,8 +31,8 @@ def effective_ratio(ratio: float, sx: int, sy: int) -> float:
 
 def method_strides(method: str, sx: int, sy: int) -> tuple[int, int]:
     """The cell whose one kept token caps the ratio: the stride for ToMe (and ToDo, whose ratio is unused),
-    the fixed 2×2 window for the local method."""
-    return (LOCAL_WINDOW, LOCAL_WINDOW) if method == "local" else (sx, sy)
+    the fixed 2×2 window for the local and stack methods."""
+    return (LOCAL_WINDOW, LOCAL_WINDOW) if method in WINDOW_METHODS else (sx, sy)
 
 
 def check_number(name: str, value: Any, low: float, high: float, *, high_inclusive: bool = True,

@@ -9,6 +9,9 @@ What differs between the families (which module is a transformer, how its calls 
 - pre/post hooks on ``attn1`` / ``attn2`` / ``ff`` merge their input and unmerge their output (ToMe), or give
   ``attn1`` a reduced key/value source: a downsampled grid (ToDo) or the level's local plan's kept tokens
   (Local).
+The stack method hooks each selected transformer's first and last block instead: the first block's pre-hook
+merges the tokens by the level's plan, every block runs on them, and the last block's post-hook restores them
+(``tome_core.stack``).
 The U-Net's own pre-hook records the call's timestep for the random partition. A block with no plan runs
 exactly its original code.
 
@@ -27,8 +30,9 @@ from torch import nn
 
 from .families import LDM, Family, diffusion_transformer_name, family_of
 from .local import LocalPlan, plan_local
+from .stack import StackPlan, plan_stack
 from .merge import MergePlan, SplitLayout, downsample_tokens, plan_split, split_layouts
-from .options import MergeOptions, check_number
+from .options import WINDOW_METHODS, MergeOptions, check_number
 from .partition import cell_choices, fixed_partition, host_key, partition, timestep_words
 
 PATCH_ATTR = "_tokenmerge_patch"
@@ -153,11 +157,12 @@ class TokenMergePatch:
         self.unused_plans = 0
         self.records: list[_BlockRecord] = []
         self.selected: list[_BlockRecord] = []
-        # The local method's plans: this U-Net call's, by level; and those kept for reuse across sampling
-        # evaluations, by (level, call slot within the evaluation, h, w). See ``_begin_local_call``.
+        # The local and stack methods' plans: this U-Net call's, by level; and those kept for reuse across
+        # sampling evaluations, by (level, call slot within the evaluation, h, w). See ``_begin_level_call``.
         self.family = family_of(root) or LDM
         self._has_call_hook = self.family.is_unet(root)
-        self._level_plans: dict[int, LocalPlan | None] = {}
+        self._level_plans: dict[int, LocalPlan | StackPlan | None] = {}
+        self._stacks_under_way: list[list] = []
         self._kept_plans: dict[tuple, LocalPlan | None] = {}
         self._evaluation = -1
         self._call_slot: int | None = None
@@ -195,8 +200,11 @@ class TokenMergePatch:
             hook(self.root.register_forward_pre_hook(self._record_timestep, with_kwargs=True))
         for t, recs in self._grid_sources.values():
             hook(t.register_forward_pre_hook(_grid_recorder(recs, family.tokens_keyword), with_kwargs=True))
-        if o.method == "local" and self._has_call_hook:
-            hook(self.root.register_forward_pre_hook(self._begin_local_call, with_kwargs=True))
+        if o.method in WINDOW_METHODS and self._has_call_hook:
+            hook(self.root.register_forward_pre_hook(self._begin_level_call, with_kwargs=True))
+        if o.method == "stack":
+            self._install_stacks()
+            return
         for rec in self.selected:
             rec.key = host_key(seed, rec.index)
             blk = rec.module
@@ -215,6 +223,17 @@ class TokenMergePatch:
                     hook(sub.register_forward_pre_hook(_merger(self, rec, self_attention, merged_calls),
                                                        with_kwargs=True))
                     hook(sub.register_forward_hook(_unmerger(rec, merged_calls)))
+
+    def _install_stacks(self) -> None:
+        """The stack method's hooks: on each selected transformer's first block (merge by the level's plan)
+        and its last (restore); every block in between runs on the merged tokens as it is."""
+        keyword = self.family.tokens_keyword
+        for _, recs in self._grid_sources.values():
+            under_way: list = []  # this stack's calls under way: (plan, input, merged input), or None
+            self._stacks_under_way.append(under_way)
+            self._hook(recs[0].module.register_forward_pre_hook(_stack_entry(self, recs[0], under_way, keyword),
+                                                                with_kwargs=True))
+            self._hook(recs[-1].module.register_forward_hook(_stack_exit(self, under_way)))
 
     def _hook(self, handle) -> None:
         self._handles.append(handle)
@@ -242,6 +261,7 @@ class TokenMergePatch:
             rec.grid = None
         self._level_plans.clear()
         self._kept_plans.clear()
+        self._stacks_under_way.clear()
         self._partitions.clear()
         self._fixed_layouts.clear()
 
@@ -280,8 +300,9 @@ class TokenMergePatch:
             found = cache[cache_key] = split_layouts(src, dst, batch, h * w)
         return found
 
-    def _begin_local_call(self, module, args, kwargs):
-        """A new U-Net call: forget this call's plans, and place the call among the sampling evaluations.
+    def _begin_level_call(self, module, args, kwargs):
+        """A new U-Net call: forget this call's plans (and a stack left under way by a call that raised), and
+        place the call among the sampling evaluations.
 
         Evaluations are told apart by the sampling progress the host reports (``set_progress``): calls with
         the same progress belong to one evaluation (cond and uncond apart, or a second-order step's two
@@ -291,6 +312,8 @@ class TokenMergePatch:
         the host wait for the device. Without progress, or with ``local_replan`` 1, every call plans anew.
         """
         self._level_plans.clear()
+        for under_way in self._stacks_under_way:
+            under_way.clear()
         every = self.options.local_replan
         progress = self.progress
         if progress is None or every <= 1:
@@ -307,10 +330,11 @@ class TokenMergePatch:
         self._last_progress = progress
         self._fresh = self._evaluation % every == 0
 
-    def local_plan(self, rec: _BlockRecord, x: torch.Tensor) -> LocalPlan | None:
-        """The plan of ``rec``'s level for this call: made from the first patched block of the level that
-        the call reaches (and kept, or taken from an earlier evaluation, per ``_begin_local_call``); None
-        outside the step window, at ratio 0, or when ``x`` is not the level's h×w tokens."""
+    def level_plan(self, rec: _BlockRecord, x: torch.Tensor) -> LocalPlan | StackPlan | None:
+        """The local or stack plan of ``rec``'s level for this call: made from the first patched block (the
+        first stack) of the level that the call reaches (and kept, or taken from an earlier evaluation, per
+        ``_begin_level_call``); None outside the step window, at ratio 0, or when ``x`` is not the level's h×w
+        tokens."""
         o = self.options
         if (rec.grid is None or not o.in_window(self.progress) or not isinstance(x, torch.Tensor)
                 or x.dim() != 3 or o.ratio <= 0):
@@ -320,8 +344,14 @@ class TokenMergePatch:
             return None
         idt = o.index_dtype or default_index_dtype(x.device)
         sizes = self.weighs_keys
-        if not self._has_call_hook:  # a lone transformer: no call boundary to share a plan within
+
+        def fresh_plan() -> LocalPlan | StackPlan | None:
+            if o.method == "stack":
+                return plan_stack(x, h, w, o.ratio, idt)
             return plan_local(x, h, w, o.ratio, idt, sizes)
+
+        if not self._has_call_hook:  # a lone transformer: no call boundary to share a plan within
+            return fresh_plan()
         if rec.level in self._level_plans:
             plan = self._level_plans[rec.level]
             return plan if plan is not None and plan.fits(x) else None
@@ -331,7 +361,7 @@ class TokenMergePatch:
             kept = self._kept_plans.get(key)
             plan = kept if kept is not None and kept.fits(x) else None
         if plan is None:
-            plan = plan_local(x, h, w, o.ratio, idt, sizes)
+            plan = fresh_plan()
             if self._call_slot is not None:
                 self._kept_plans[key] = plan
         self._level_plans[rec.level] = plan
@@ -340,7 +370,7 @@ class TokenMergePatch:
     def make_plan(self, rec: _BlockRecord, x: torch.Tensor):
         o = self.options
         if o.method == "local":
-            return self.local_plan(rec, x) if rec.self_attention else None
+            return self.level_plan(rec, x) if rec.self_attention else None
         if rec.grid is None or not o.in_window(self.progress) or x is None or x.dim() != 3:
             return None
         h, w = rec.grid
@@ -485,6 +515,37 @@ def _unmerger(rec: _BlockRecord, merged_calls: list[bool]):
     return hook
 
 
+def _stack_entry(patch: TokenMergePatch, rec: _BlockRecord, under_way: list, keyword: str):
+    """The first block of a stack: its tokens merged by the level's plan, so that every block runs on them."""
+    def hook(module, args, kwargs):
+        x = _first_arg(args, kwargs, keyword)
+        plan = patch.level_plan(rec, x)
+        if plan is None:
+            under_way.append(None)
+            return None
+        merged = plan.merge(x)
+        under_way.append((plan, x, merged))
+        args, kwargs = list(args), dict(kwargs)
+        _set_slot(args, kwargs, 0, keyword, merged)
+        return tuple(args), kwargs
+    return hook
+
+
+def _stack_exit(patch: TokenMergePatch, under_way: list):
+    """The last block of a stack: its output on the merged tokens back to every token (``StackPlan.restore``)."""
+    def hook(module, args, output):
+        entry = under_way.pop() if under_way else None
+        if entry is None:
+            return None
+        plan, x, merged = entry
+        if not (isinstance(output, torch.Tensor) and output.shape == merged.shape):
+            # Another extension gave the stack's tokens back itself (or changed them): its output stands.
+            patch.unmerged_calls += 1
+            return None
+        return plan.restore(x, merged, output)
+    return hook
+
+
 def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions):
     """Self-attention's keys and values from fewer tokens, queries whole: ToDo's downsampled grid, or the
     tokens the local plan keeps."""
@@ -587,12 +648,16 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             (self-attention's keys and values from the tokens that stand for the groups merged inside 2×2
             windows, by one plan per level and U-Net call; queries whole; see ``tome_core.local``; like
             ToDo it ignores ``merge_crossattn`` and ``merge_mlp``, and it ignores ``sx``, ``sy``,
-            ``use_rand`` and ``seed``: its plan is a function of the features).
+            ``use_rand`` and ``seed``: its plan is a function of the features), or "stack" (the tokens of
+            each selected transformer stack merged once at its entrance by the local method's groups, each
+            group the mean of its tokens, every block of the stack run on them, and every token given its own
+            input plus what the stack added to its group at the exit; see ``tome_core.stack``; it reads
+            ``ratio``, ``max_downsample``, the step window, ``index_dtype`` and ``local_replan``).
         todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
         step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
         score_chunk_elements: upper bound on similarity scores held at once while finding the merge
             (None: 4 Mi on the CPU, 64 Mi on accelerators).
-        local_replan: the local method makes fresh plans every this many sampling evaluations and reuses
+        local_replan: the local and stack methods make fresh plans every this many sampling evaluations and reuses
             them in between (1: every evaluation). Reuse needs the progress ``set_progress`` reports.
         size_weighted_keys: ToMe and Local: a self-attention key that stands for k tokens (a merged group)
             adds log k to its logit, as if its tokens were keys one by one (proportional attention, ToMe for
