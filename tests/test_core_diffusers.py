@@ -87,6 +87,8 @@ def test_levels_from_structure_match_the_ldm_twin(layout):
     dict(method="todo", todo_factor=3, todo_pool="average"),
     dict(method="local", ratio=0.5),
     dict(method="local", ratio=0.25, max_downsample=4),
+    dict(method="stack", ratio=0.5),
+    dict(method="stack", ratio=0.6, max_downsample=4),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_ldm_and_diffusers_twins_agree_unpatched_and_patched(layout, options):
     ldm, unet = twin_unets(layout)

@@ -124,7 +124,8 @@ def test_merging_only_the_queries_under_an_attn1_patch_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("options", [dict(method="todo"), dict(method="todo", todo_factor=4, todo_pool="average"),
                                      dict(ratio=0.5, use_rand=True, seed=1234), dict(method="local", ratio=0.5),
-                                     dict(method="local", ratio=0.7, merge_mlp=True, max_downsample=2)])
+                                     dict(method="local", ratio=0.7, merge_mlp=True, max_downsample=2),
+                                     dict(method="stack", ratio=0.5, max_downsample=2)])
 @pytest.mark.parametrize("attn1_patches", [(), (identity_attn1_patch,)], ids=["no patch", "attn1 patch"])
 def test_todo_and_the_seeded_partition_act_on_forge_as_on_ldm(options, attn1_patches, host_unet):
     """What was checked on ldm against the paper's definitions (ToDo: attention on downsampled keys and

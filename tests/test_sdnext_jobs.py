@@ -27,7 +27,7 @@ def console_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("[ToMe]")]
 
 
-@pytest.mark.parametrize("method", ["ToMe", "ToDo", "Local"])
+@pytest.mark.parametrize("method", ["ToMe", "ToDo", "Local", "Stack"])
 def test_a_job_with_tome_gives_the_engines_output_and_leaves_the_unet_as_it_was(fresh, method, capsys):
     plain = fresh.txt2img()
     job = fresh.txt2img([{"enabled": True, "ratio": 0.5, "method": method}])

@@ -281,7 +281,7 @@ def test_xyz_axes():
     axes = {axis.label: axis for axis in tm.XYZ_AXES}
     assert axes["[ToMe] Stride"].overrides(3) == {"sx": 3, "sy": 3}
     assert axes["[ToMe] Hires ratio"].txt2img_only and not axes["[ToMe] Ratio"].txt2img_only
-    assert axes["[ToMe] Method"].choices == ("ToMe", "ToDo", "Local")
+    assert axes["[ToMe] Method"].choices == ("ToMe", "ToDo", "Local", "Stack")
     assert axes["[ToMe] Re-plan every"].overrides(2) == {"local_replan": 2}
     assert axes["[ToMe] Ratio"].value_type is float and axes["[ToMe] Stride"].value_type is int
     with pytest.raises(ValueError, match=r"\[ToMe\] Ratio: ratio must be a number in \[0.0, 0.9\], got 1.5"):

@@ -101,7 +101,7 @@ def test_advanced_panel_shows_only_the_chosen_methods_own_controls(host):
         controls = dict(zip(tm.KEYS, host.webui.script(tab, "ToMe").controls))
         own = list(dict.fromkeys(key for keys in tm.METHOD_KEYS.values() for key in keys))  # each control once
         block_fn = _dependency(host, controls["method"], [controls[key] for key in own])
-        for method in ("ToMe", "ToDo", "Local"):
+        for method in ("ToMe", "ToDo", "Local", "Stack"):
             shown = {key for key, update in zip(own, block_fn.fn(method)) if update["visible"]}
             assert shown == set(tm.METHOD_KEYS[method.lower()]), method
         assert all(update["visible"] for update in block_fn.fn("nonsense"))  # refused later, never hidden
@@ -202,7 +202,7 @@ def test_metadata_and_script_module_names():
 def test_api_info_lists_the_choices_the_api_accepts(host):
     info = host.webui.script("txt2img", "ToMe").api_info
     by_label = {arg["label"]: arg for arg in info["args"]}
-    assert by_label["Merge method"]["choices"] == ["ToMe", "ToDo", "Local"]
+    assert by_label["Merge method"]["choices"] == ["ToMe", "ToDo", "Local", "Stack"]
     assert by_label["Re-plan every (steps)"]["maximum"] == tm.MAX_LOCAL_REPLAN_UI
     assert by_label["Merge levels (max downsample)"]["choices"] == ["auto", "1", "2", "4", "8"]
     assert json.dumps(info)  # serialisable, as /sdapi/v1/script-info needs

@@ -229,7 +229,7 @@ class TokenMergePatch:
         and its last (restore); every block in between runs on the merged tokens as it is."""
         keyword = self.family.tokens_keyword
         for _, recs in self._grid_sources.values():
-            under_way: list = []  # this stack's calls under way: (plan, input, merged input), or None
+            under_way: list = []  # this stack's calls under way: (plan, offsets, merged shape), or None
             self._stacks_under_way.append(under_way)
             self._hook(recs[0].module.register_forward_pre_hook(_stack_entry(self, recs[0], under_way, keyword),
                                                                 with_kwargs=True))
@@ -524,7 +524,7 @@ def _stack_entry(patch: TokenMergePatch, rec: _BlockRecord, under_way: list, key
             under_way.append(None)
             return None
         merged = plan.merge(x)
-        under_way.append((plan, x, merged))
+        under_way.append((plan, plan.offsets(x, merged), merged.shape))
         args, kwargs = list(args), dict(kwargs)
         _set_slot(args, kwargs, 0, keyword, merged)
         return tuple(args), kwargs
@@ -537,12 +537,12 @@ def _stack_exit(patch: TokenMergePatch, under_way: list):
         entry = under_way.pop() if under_way else None
         if entry is None:
             return None
-        plan, x, merged = entry
-        if not (isinstance(output, torch.Tensor) and output.shape == merged.shape):
+        plan, offsets, merged_shape = entry
+        if not (isinstance(output, torch.Tensor) and output.shape == merged_shape):
             # Another extension gave the stack's tokens back itself (or changed them): its output stands.
             patch.unmerged_calls += 1
             return None
-        return plan.restore(x, merged, output)
+        return plan.restore(offsets, output)
     return hook
 
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from .options import (MAX_DOWNSAMPLES, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS, check_number, effective_ratio,
-                      method_strides, ratio_cap)
+from .options import (MAX_DOWNSAMPLES, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS, WINDOW_METHODS, check_number,
+                      effective_ratio, method_strides, ratio_cap)
 
 RATIO_INFOTEXT = "ToMe ratio"
 """Written whenever ToMe is on; its presence in a pasted infotext is what turns the accordion on."""
@@ -41,12 +41,12 @@ SWITCH_CHOICES = ("Auto", "On", "Off")
 """A switch's spellings in the UI: Auto (canonical None: the chosen method's own default), On (True), Off (False)."""
 _SWITCH_VALUES: dict[str, bool | None] = dict(zip((c.lower() for c in SWITCH_CHOICES), (None, True, False)))
 
-SIZE_WEIGHTED_BY_METHOD: dict[str, bool] = {"tome": True, "todo": False, "local": False}
+SIZE_WEIGHTED_BY_METHOD: dict[str, bool] = {"tome": True, "todo": False, "local": False, "stack": False}
 """What "Auto" size-weighted keys means per method, chosen by the benchmark's fidelity measure on the three
 shipped proxies (README, "Size-weighted keys"): on for ToMe, whose uneven groups it corrects (closer per step
 on all three at 0.25 and 0.5, 0.1 to 0.3 dB further at 0.75); off for Local (further per step at 0.25 on all
 three, no change at 0.5 and 0.75, where its groups are equal). ToDo's keys all stand for the same number of
-tokens: it would change nothing there."""
+tokens: it would change nothing there. Stack reads no switch: its groups enter every block as one token each."""
 
 _SAME_AS_DEFAULT = object()
 
@@ -157,7 +157,7 @@ PARAMS: tuple[Param, ...] = (
     Param("hr_only", BOOL, False, "Hires fix only", "ToMe hires only", txt2img_only=True),
     Param("hr_ratio", FLOAT, 0.0, "Hires merge ratio (0 = same)", "ToMe hr ratio", "[ToMe] Hires ratio",
           0.0, 0.9, 0.05, txt2img_only=True),
-    Param("method", CHOICE, "tome", "Merge method", "ToMe method", "[ToMe] Method", choices=("ToMe", "ToDo", "Local")),
+    Param("method", CHOICE, "tome", "Merge method", "ToMe method", "[ToMe] Method", choices=("ToMe", "ToDo", "Local", "Stack")),
     Param("max_downsample", LEVELS, None, "Merge levels (max downsample)", "ToMe max downsample",
           "[ToMe] Max downsample", choices=(AUTO_LEVELS,) + tuple(map(str, MAX_DOWNSAMPLES))),
     Param("sx", INT, 2, "Stride x", "ToMe stride x", "[ToMe] Stride", 1, MAX_STRIDE, 1),
@@ -182,6 +182,7 @@ METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "tome": ("sx", "sy", "use_rand", "merge_crossattn", "merge_mlp", "size_weighted_keys"),
     "todo": ("todo_factor", "todo_pool"),  # ToDo and Local reduce self-attention only
     "local": ("local_replan", "size_weighted_keys"),
+    "stack": ("local_replan",),  # whole stacks on the merged tokens: nothing to place, nothing to weigh
 }
 """The parameters only one method reads: the advanced panel shows those of the chosen method alone."""
 PARAM: dict[str, Param] = {p.key: p for p in PARAMS}
@@ -356,7 +357,8 @@ def ratio_note(ratio: Any, hr_ratio: Any, sx: Any, sy: Any, method: Any = "ToMe"
              if requested > cap]
     if not notes:
         return ""
-    cell = "The local method's 2×2 window" if settings.method == "local" else f"Stride {settings.sx}×{settings.sy}"
+    windowed = settings.method in WINDOW_METHODS
+    cell = f"The {settings.method} method's 2×2 window" if windowed else f"Stride {settings.sx}×{settings.sy}"
     return f"{cell} caps the ratio at {cap:.4g}: {'; '.join(notes)}."
 
 

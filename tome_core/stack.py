@@ -14,9 +14,9 @@ projections, cross-attention and MLPs too, and one plan per level serves every s
   or apart.
 - A group enters the stack as the mean of its tokens (one ``index_add_`` and a division).
 - At the exit every token keeps its own input and receives what the stack added to its group: ``x + (Y − X̃)``
-  copied back to the group's tokens (one subtraction, one gather, one addition), where X̃ is the merged
-  input and Y the last block's output. Copying Y itself would replace each token's input, detail the stack
-  did not compute, by its group's mean.
+  copied back to the group's tokens, where X̃ is the merged input and Y the last block's output (computed as
+  ``(x − X̃) + Y`` per token, the offsets taken at the entrance). Copying Y itself would replace each token's
+  input, detail the stack did not compute, by its group's mean.
 - The plan is made once per level and U-Net call from the first stack of the level that runs (down path) and
   used by every stack of the level (down and up path); the patch may keep it for a few sampling steps
   (``local_replan``), as it does the local method's.
@@ -43,9 +43,10 @@ class StackPlan:
         index: (B, N) of the index dtype: token n of row b belongs to merged row ``index[b, n]`` of row b.
         counts: (B, M, 1) float32: the tokens of each merged row.
 
-    Merging is a ``scatter_add_`` and a division, restoring a subtraction, a ``gather`` and an addition, all
-    along the token dimension with one index expanded over the channels (a view, made once per plan and
-    channel count): three dispatched operations each per stack, whatever the image size.
+    Merging is a ``scatter_add_`` and a division, each token's offset from its group's mean a ``gather`` and a
+    subtraction, restoring a ``gather`` and an addition, all along the token dimension with one index expanded
+    over the channels (a view, made once per plan and channel count): seven dispatched operations per stack,
+    whatever the image size.
     """
 
     __slots__ = ("index", "counts", "batch", "tokens", "merged_tokens", "device", "_expanded", "_counts")
@@ -77,11 +78,16 @@ class StackPlan:
             counts = self._counts[x.dtype] = self.counts.to(x.dtype)
         return x.new_zeros(b, self.merged_tokens, c).scatter_add_(1, self._index(c), x) / counts
 
-    def restore(self, x: torch.Tensor, merged: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The stack's output on all N tokens: ``x`` (B, N, C) the stack's input, ``merged`` = ``merge(x)``
-        (B, M, C) and ``y`` (B, M, C) the last block's output on it; each token gets its input plus what the
-        stack added to its group, ``x + (y − merged)`` gathered to the group's tokens (B, N, C)."""
-        return x + torch.gather(y - merged, 1, self._index(x.shape[2]))
+    def offsets(self, x: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        """(B, N, C): each token of ``x`` (the stack's input) less its group's mean ``merged`` = ``merge(x)``
+        (B, M, C). Taken before the stack runs: Forge's blocks add their residuals into their input in place."""
+        return x - torch.gather(merged, 1, self._index(x.shape[2]))
+
+    def restore(self, offsets: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The stack's output on all N tokens from ``offsets`` (see ``offsets``) and ``y`` (B, M, C), the last
+        block's output on the merged tokens: each token gets its own input plus what the stack added to its
+        group, x + (y − merged) gathered to the group's tokens (B, N, C)."""
+        return offsets + torch.gather(y, 1, self._index(offsets.shape[2]))
 
 
 @dataclass(frozen=True)
