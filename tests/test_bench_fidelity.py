@@ -14,7 +14,7 @@ from tome_core.bench.checkpoint import CheckpointError
 from tome_core.bench.contenders import Wrapped, roster
 from tome_core.bench.fidelity import sample_pictures
 from tome_core.bench.metrics import psnr, ssim
-from tome_core.bench.opcount import count_ops, ops_per_block
+from tome_core.bench.opcount import added_cost, count_ops, ops_per_block
 from tome_core.bench.report import Case, Entry, Fidelity
 from tome_core.bench.sheet import case_rows, sheet_size, tile_side, write_case_sheet
 from tome_core.bench.stepwise import step_errors
@@ -139,6 +139,31 @@ def test_todo_adds_fewer_ops_per_block_than_tome():
     assert 0 < added["ToDo f=2"] < added["ToMe 0.50"]
     assert added["tomesd 0.50"] > 0 and added["ideal 0.50"] > 0
     assert plain.total > 0 and len(plain.per_block) == 10 and count_ops(unet, lambda: unet(x, t, context=c)) == plain
+
+
+def test_stack_costs_few_ops_per_stack_and_removes_multiply_adds_as_its_ideal_does():
+    """SDXL's layout at levels 4, ratio 0.5: Stack's operations per patched stack stay within 15 (the plan is
+    one per level, merge and restore a few large operations); its multiply-adds fall below ToMe's, and its ideal
+    (every block of the stacks on half the tokens, for free) bounds it from below, with the U-Net's convolutions
+    and the stacks' projections in and out left whole."""
+    unet = tiny_unet("sdxl")
+    x, t, c = inputs(batch=2, h=32, w=32)
+    wrapped = Wrapped(unet)
+    unet(x, t, context=c)
+    plain = count_ops(unet, lambda: unet(x, t, context=c))
+    costs = {}
+    for racer in roster([0.5], [2], max_downsample=4, with_tomesd=False):
+        racer.apply(wrapped)
+        try:
+            unet(x, t, context=c)  # tables made once per grid are not what a step costs
+            costs[racer.name] = added_cost(plain, count_ops(unet, lambda: unet(x, t, context=c)))
+        finally:
+            racer.remove(wrapped)
+    stack, ideal, tome = costs["Stack 0.50"], costs["ideal S 0.50"], costs["ToMe 0.50"]
+    assert 0 < stack.per_stack <= 15
+    assert ideal.multiply_adds < stack.multiply_adds < tome.multiply_adds < 1.0
+    assert stack.multiply_adds - ideal.multiply_adds < 0.02  # the plan's own products are small
+    assert plain.multiply_adds > 0 and costs["none"].multiply_adds == 1.0
 
 
 # -- the command line on a trained model -----------------------------------------------------------------------

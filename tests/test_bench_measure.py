@@ -8,7 +8,7 @@ import torch
 
 import tome_core
 from tome_core.bench import archs, cli, jobs
-from tome_core import local
+from tome_core import local, stack
 from tome_core.bench.contenders import IdealPatch, Wrapped, roster
 from tome_core.bench.jobs import roster_size
 from tome_core.bench.report import (BUSY_SPREAD, Case, Entry, Fidelity, Load, busy_warning, find_busy, share_of_ideal,
@@ -123,7 +123,7 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
         def time_one(name):
             counts[name] = counts.get(name, 0) + 1
             base = {"none": 100.0, "ToMe 0.50": 80.0, "ToDo f=2": 90.0, "Local 0.50": 70.0, "tomesd 0.50": 85.0,
-                    "ideal 0.50": 60.0, "ideal KV 0.50": 65.0}[name]
+                    "ideal 0.50": 60.0, "ideal KV 0.50": 65.0, "Stack 0.50": 58.0, "ideal S 0.50": 55.0}[name]
             return base * (1.5 if noisy and name == "ToMe 0.50" and counts[name] % 2 else 1.0)
         return time_one
 
@@ -139,6 +139,7 @@ def test_the_main_job_warns_from_the_timings_it_got(monkeypatch, capsys, webui_u
         assert "| sd15 | 64 | ToDo | f=2 | 90.0 (0%) | 1.11x | – | – | – |" in out
         assert "| sd15 | 64 | Local | 0.50 | 70.0 (0%) | 1.43x | 80% | – | – |" in out  # of the KV ideal's 1.54x
         assert "| sd15 | 64 | tomesd | 0.50 | 85.0 (0%) | 1.18x | 26% | – | – |" in out
+        assert "| sd15 | 64 | Stack | 0.50 | 58.0 (0%) | 1.72x | 89% | – | – |" in out  # of the S ideal's 1.82x
         assert "| sd15 | 64 | ideal | 0.50 | 60.0 (0%) | 1.67x | – |" in out
         assert "Random weights: no fidelity figure" in out
 
@@ -257,6 +258,42 @@ def test_the_keys_and_values_ideal_keeps_as_many_tokens_as_local(h, w, ratio):
     assert IdealPatch(ratio, None, keys_only=True).kept_tokens(h, w) == (plan.merged_tokens if plan else h * w)
 
 
+@pytest.mark.parametrize("h, w", [(64, 64), (9, 7), (5, 6), (2, 2)])
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.6, 0.9])
+def test_the_whole_stack_ideal_keeps_as_many_tokens_as_stack(h, w, ratio):
+    plan = stack.plan_stack(torch.randn(1, h * w, 4), h, w, ratio, torch.int64)
+    assert IdealPatch(ratio, None, whole_stacks=True).kept_tokens(h, w) == (plan.merged_tokens if plan else h * w)
+
+
+def test_the_whole_stack_ideal_runs_every_block_of_the_stacks_stack_patches_on_the_kept_tokens():
+    """SDXL's layout at levels 4: every attention, cross-attention and MLP call of the patched stacks sees the
+    first N − r tokens, the same counts Stack gives them; the output is back on N tokens; it undoes itself."""
+    unet = tiny_unet("sdxl")
+    x, t, c = inputs(h=32, w=32)
+    plain = run(unet, x, t, c)
+
+    def shapes(patch_on, patch_off):
+        seen = []
+        blocks = [m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+        handles = [getattr(b, part).register_forward_pre_hook(
+            lambda mod, a, k: seen.append(tuple((a[0] if a else k["x"]).shape)), with_kwargs=True)
+            for b in blocks for part in ("attn1", "attn2", "ff")]
+        patch_on()
+        out = run(unet, x, t, c)
+        patch_off()
+        for handle in handles:
+            handle.remove()
+        return seen, out
+
+    ours, _ = shapes(lambda: tome_core.apply_patch(unet, method="stack", ratio=0.5, max_downsample=4),
+                     lambda: tome_core.remove_patch(unet))
+    ideal = IdealPatch(0.5, 4, whole_stacks=True)
+    seen, out = shapes(lambda: ideal.apply(Wrapped(unet)), ideal.remove)
+    assert seen == ours and all(n < 1024 // 4 + 1 for _, n, _ in seen)
+    assert out.shape == plain.shape and not torch.equal(out, plain)
+    assert torch.equal(run(unet, x, t, c), plain)
+
+
 def test_the_keys_and_values_ideal_keeps_every_query():
     """Each patched self-attention call: all N queries against the first N − r tokens as keys and values, by
     the attention module's own code with that context; nothing else changes, and it undoes itself."""
@@ -309,14 +346,17 @@ def test_ideal_shrinks_self_attention_in_the_blocks_ours_patches_and_undoes_itse
 def test_the_roster_has_every_method_at_every_setting():
     racers = roster([0.3, 0.5], [2, 4])
     assert [c.name for c in racers] == ["none", "ToMe 0.30", "ToMe 0.50", "ToDo f=2", "ToDo f=4", "Local 0.30",
-                                        "Local 0.50", "tomesd 0.30", "tomesd 0.50", "ideal 0.30", "ideal 0.50",
-                                        "ideal KV 0.30", "ideal KV 0.50"]
+                                        "Local 0.50", "Stack 0.30", "Stack 0.50", "tomesd 0.30", "tomesd 0.50",
+                                        "ideal 0.30", "ideal 0.50", "ideal KV 0.30", "ideal KV 0.50",
+                                        "ideal S 0.30", "ideal S 0.50"]
     assert {c.name: c.ideal for c in racers if c.ideal} == {"ToMe 0.30": "ideal 0.30", "ToMe 0.50": "ideal 0.50",
                                                            "Local 0.30": "ideal KV 0.30",
                                                            "Local 0.50": "ideal KV 0.50",
+                                                           "Stack 0.30": "ideal S 0.30",
+                                                           "Stack 0.50": "ideal S 0.50",
                                                            "tomesd 0.30": "ideal 0.30", "tomesd 0.50": "ideal 0.50"}
     assert len(racers) == roster_size(2, 2)
-    bare = roster([0.5], [2], with_tomesd=False, with_ideal=False, with_local=False)
+    bare = roster([0.5], [2], with_tomesd=False, with_ideal=False, with_local=False, with_stack=False)
     assert [c.name for c in bare] == ["none", "ToMe 0.50", "ToDo f=2"] and all(c.ideal is None for c in bare)
 
 

@@ -49,7 +49,7 @@ def pipe() -> Pipeline:
     return proxy.load_proxy()
 
 
-@pytest.fixture(scope="module", params=proxy.shipped_weights()[0], ids=lambda path: os.path.basename(path))
+@pytest.fixture(scope="module", params=proxy.shipped_weights(("sd15",))[0], ids=lambda path: os.path.basename(path))
 def each_shipped(request) -> tuple[str, Pipeline]:
     """Every shipped proxy, each trained from its own seed: the default run's fidelity rests on all of them."""
     return request.param, proxy.load_proxy(path=request.param)
@@ -291,23 +291,80 @@ def test_training_is_deterministic_and_runs_end_to_end(tmp_path):
     assert sample.shape == noise.shape and torch.isfinite(sample).all()
 
 
-def test_the_shipped_proxies_are_trained_from_distinct_seeds_with_the_same_recipe():
+@pytest.mark.parametrize("layout", sorted(proxy.LAYOUTS))
+def test_the_shipped_proxies_are_trained_from_distinct_seeds_with_the_same_recipe(layout):
     seeds, stages = [], set()
-    here, _ = proxy.shipped_weights()
+    here, _ = proxy.shipped_weights((layout,))
     for path in here:
         meta = proxy.read_metadata(path)
         seeds.append(int(meta["seed"]))
         stages.add(meta["stages"])
+        assert proxy.layout_of(meta).name == layout
         assert proxy.describe(path) == f"seed {meta['seed']}"
     assert len(set(seeds)) == len(seeds) >= 3
-    assert stages == {json.dumps(proxy.TrainConfig.stages)}  # the default recipe, as --seed N makes it
+    # The layout's default recipe, as --seed N (--layout sdxl) makes it.
+    assert stages == {json.dumps(proxy.LAYOUTS[layout].stages)}
 
 
 def test_shipped_weights_lists_what_is_here_and_how_to_make_what_is_not(tmp_path, monkeypatch):
     here, gone = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     open(here, "wb").close()
     monkeypatch.setattr(proxy, "SHIPPED_WEIGHTS", (here, gone))
-    assert proxy.shipped_weights() == ([here], [gone])
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (gone + "-sdxl",))
+    assert proxy.shipped_weights() == ([here], [gone, gone + "-sdxl"])
+    assert proxy.shipped_weights(("sd15",)) == ([here], [gone])
+    assert proxy.train_command(gone + "-sdxl") == (f"python -m tome_core.bench.proxy train --layout sdxl --seed 0 "
+                                                    f"--out {gone}-sdxl")
     assert proxy.train_command(gone) == f"python -m tome_core.bench.proxy train --seed 1 --out {gone}"
     with pytest.raises(FileNotFoundError, match=f"train --seed 1 --out {gone}"):
         proxy.load_proxy(path=gone)
+
+
+# -- the SDXL-layout proxies -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=proxy.shipped_weights(("sdxl",))[0], ids=lambda path: os.path.basename(path))
+def each_sdxl(request) -> tuple[str, Pipeline]:
+    return request.param, proxy.load_proxy(path=request.param)
+
+
+def test_sdxl_layout_proxies_have_sdxls_levels_and_its_token_counts_at_128px(each_sdxl):
+    """No attention at full resolution, two blocks a transformer at the first attention level and ten at the
+    second, holding 4,096 and 1,024 tokens at 128 px as SDXL's do at 1024 px; trained weights, small file."""
+    path, pipe = each_sdxl
+    assert os.path.getsize(path) <= 10.5e6 and pipe.size == proxy.SDXL_EVAL_SIZE == 128
+    assert pipe.label == "SDXL-layout proxy"
+    depths = {}
+    for _, t, level in tome_core.patch.transformer_levels(pipe.unet):
+        depths.setdefault(level, set()).add(len(t.transformer_blocks))
+        assert t.proj_out.weight.abs().max() > 0.01
+    assert depths == {1: {2}, 2: {10}}
+    seen = set()
+    blocks = [m for m in pipe.unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
+    handles = [b.attn1.register_forward_pre_hook(lambda m, a, k: seen.add((a[0] if a else k["x"]).shape[1]),
+                                                 with_kwargs=True) for b in blocks]
+    _predict(pipe, torch.zeros(1, 3, 128, 128), torch.tensor([500]))
+    for handle in handles:
+        handle.remove()
+    assert seen == {4096, 1024}
+
+
+def test_sdxl_layout_proxies_predict_the_noise_and_stack_merging_moves_them_with_the_ratio(each_sdxl):
+    """On held-out photographs the trained model's noise prediction is far better than none (predicting zero);
+    Stack at levels 4 (both attention levels) moves it more as the ratio rises."""
+    _, pipe = each_sdxl
+    x0 = proxy.held_out_crops(2, 128)
+    t = torch.full((2,), T_MODERATE)
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(7))
+    x = proxy.noised(x0, t, noise, proxy.sd_alphas_cumprod().float())
+    base = _predict(pipe, x, t)
+    assert (base - noise).pow(2).mean() < 0.3 * noise.pow(2).mean()
+    changes = []
+    for ratio in (0.25, 0.5, 0.75):
+        tome_core.apply_patch(pipe.unet, method="stack", ratio=ratio, max_downsample=4)
+        try:
+            out = _predict(pipe, x, t)
+        finally:
+            tome_core.remove_patch(pipe.unet)
+        changes.append(float((out - base).pow(2).mean().sqrt() / base.pow(2).mean().sqrt()))
+    print(f"\nStack change at ratio 0.25/0.5/0.75: {changes}")
+    assert 0 < changes[0] < changes[1] < changes[2]

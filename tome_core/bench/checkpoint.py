@@ -349,7 +349,7 @@ def _encode_empty_prompt(tensors: TensorFile, family: str, context_dim: int, dev
     return prompt
 
 
-def _context_as_list(depth: int):
+def context_as_list(depth: int):
     """A forward pre-hook giving ldm's U-Net a context per transformer depth when it is called with one tensor:
     ldm's SpatialTransformer indexes a list of contexts by block, and SDXL has up to 10 blocks per level."""
 
@@ -435,7 +435,7 @@ def load_pipeline(path: str, device: torch.device, dtype: torch.dtype, predictio
     del weights
     depth = max(cfg["depths"].values())
     if depth > 1:
-        unet.register_forward_pre_hook(_context_as_list(depth), with_kwargs=True)
+        unet.register_forward_pre_hook(context_as_list(depth), with_kwargs=True)
     y = None
     if family == "sdxl":
         y = textenc.size_embedding(prompt.pooled, SDXL_DEFAULT_SIZE, SDXL_DEFAULT_SIZE)

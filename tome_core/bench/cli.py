@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=2, help="U-Net batch (2 = one image with cond and uncond)")
     ap.add_argument("--max-downsample", type=int, default=None, choices=[1, 2, 4, 8],
                     help="default: the model's highest-resolution attention level")
+    ap.add_argument("--stack-max-downsample", type=int, default=None, choices=[1, 2, 4, 8],
+                    help="Stack's levels alone (default: those of --max-downsample); 4 on SDXL, whose deep second "
+                         "level holds most of its work")
     ap.add_argument("--no-rand", action="store_true", help="fixed partition (use_rand=False)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved rounds per U-Net case: each round calls every contender once (default 3; "
@@ -373,7 +376,8 @@ def load_proxy_pipeline(device: torch.device, dtype: torch.dtype, path: str | No
 
 
 def _shipped(proxy, path: str) -> bool:
-    return os.path.abspath(path) in {os.path.abspath(p) for p in getattr(proxy, "SHIPPED_WEIGHTS", ())}
+    shipped = getattr(proxy, "SHIPPED_WEIGHTS", ()) + getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ())
+    return os.path.abspath(path) in {os.path.abspath(p) for p in shipped}
 
 
 def _unet_only_pipeline(path: str, device: torch.device, dtype: torch.dtype) -> Pipeline:
@@ -420,13 +424,19 @@ def main(argv: list[str] | None = None) -> int:
     archs.use_webui_unet()
     command = f"# command: {PROG} {' '.join(argv if argv is not None else sys.argv[1:])}"
     pipes = None
+    groups: list[list[tuple[str, Pipeline]]] = []
     if args.models is None:
         try:
             pipes = load_trained(args, device, dtype)
             if pipes is not None:
-                args.sizes = args.sizes or default_sizes(pipes[0][1])
-                for _, pipe in pipes:
-                    check_pipeline_sizes(pipe, args.sizes, args.max_downsample, args.fidelity)
+                # Proxies of several layouts (the shipped SD 1.5 and SDXL ones) are raced a layout at a time,
+                # each at its own evaluation size unless --sizes says otherwise.
+                groups = list(layout_groups(pipes).values())
+                sizes_given = args.sizes
+                for group in groups:
+                    for _, pipe in group:
+                        check_pipeline_sizes(pipe, sizes_given or default_sizes(group[0][1]), args.max_downsample,
+                                             args.fidelity)
         except (CheckpointError, UsageError) as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
@@ -443,8 +453,34 @@ def main(argv: list[str] | None = None) -> int:
                   "weights instead (speed only)")
     cap = ratio_cap(STRIDE, STRIDE)
     if pipes is not None:
-        return run_trained(args, pipes, device, dtype, command, cap)
+        status = 0
+        sheet, plot, sizes_given = args.sheet, args.plot, args.sizes
+        for k, group in enumerate(groups):
+            if k:
+                print()
+            args.sizes = sizes_given or default_sizes(group[0][1])
+            suffix = "" if k == 0 else "-" + group[0][1].label.split()[0].lower()
+            args.sheet, args.plot = _suffixed(sheet, suffix), _suffixed(plot, suffix)
+            status = run_trained(args, group, device, dtype, command, cap) or status
+        args.sheet, args.plot = sheet, plot
+        return status
     return run_architectures(args, device, dtype, command, cap)
+
+
+def layout_groups(pipes: list[tuple[str, Pipeline]]) -> dict[str, list[tuple[str, Pipeline]]]:
+    """``pipes`` grouped by what they are (the pipeline's label and evaluation size), in the order given."""
+    groups: dict[str, list[tuple[str, Pipeline]]] = {}
+    for label, pipe in pipes:
+        groups.setdefault(f"{pipe.label} {getattr(pipe, 'size', None)}", []).append((label, pipe))
+    return groups
+
+
+def _suffixed(path: str | None, suffix: str) -> str | None:
+    """``path`` with ``suffix`` before its extension ("tome-fidelity.png" -> "tome-fidelity-sdxl.png")."""
+    if not path or not suffix:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}{suffix}{ext}"
 
 
 def _cap_lines(args: argparse.Namespace, cap: float) -> None:
@@ -574,8 +610,8 @@ def run_architectures(args: argparse.Namespace, device: torch.device, dtype: tor
         args.sizes = [512, 768] if device.type == "cpu" else [512, 768, 1024]
     names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted)
     print(f"# ToMe benchmark: {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP attention, "
-          f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, "
-          f"methods: {', '.join(names)}; random weights: speed only")
+          f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}"
+          f"{stack_levels_note(args)}, methods: {', '.join(names)}; random weights: speed only")
     print(command)
     _cap_lines(args, cap)
     racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
@@ -630,6 +666,12 @@ def run_architectures(args: argparse.Namespace, device: torch.device, dtype: tor
         write_speed_chart(chart_cases, args.plot, title, busy)
         print(f"\nchart written to {args.plot}")
     return 0
+
+
+def stack_levels_note(args: argparse.Namespace) -> str:
+    """" (Stack: levels 4)" when Stack runs at other levels than the other methods, else ""."""
+    levels = getattr(args, "stack_max_downsample", None)
+    return f" (Stack: levels {levels})" if levels else ""
 
 
 def finish(args: argparse.Namespace, timings: list, load: Load | None, judged_by_rounds: bool):

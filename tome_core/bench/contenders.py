@@ -13,6 +13,11 @@
   that a method delivers; the rest is its overhead. ToMe and tomesd are measured against it.
 - ``ideal KV``: the same blocks' self-attention with every query but only the first N − r tokens as keys and
   values: what a method that keeps queries whole (Local) can gain at that ratio; Local is measured against it.
+- ``Stack``: ours with ``method="stack"``: each patched transformer stack's tokens merged once at its entrance,
+  every block of it on the merged tokens, restored once at its exit.
+- ``ideal S``: every block of the stacks Stack patches on the first N − r tokens, taken at the stack's entrance
+  for free and repeated back to N at its exit: what a whole-stack method can gain at that ratio; Stack is
+  measured against it.
 """
 
 from __future__ import annotations
@@ -74,9 +79,10 @@ class IdealPatch:
     """
 
     def __init__(self, ratio: float, max_downsample: int | None, sx: int = 2, sy: int = 2,
-                 keys_only: bool = False) -> None:
+                 keys_only: bool = False, whole_stacks: bool = False) -> None:
         self.ratio, self.max_downsample, self.sx, self.sy = ratio, max_downsample, sx, sy
         self.keys_only = keys_only  # every query, keys and values from the first N − r tokens
+        self.whole_stacks = whole_stacks  # every block of a stack on the first N − r tokens (Stack's count)
         self._handles: list = []
 
     def apply(self, model: nn.Module) -> None:
@@ -95,6 +101,12 @@ class IdealPatch:
             grid: dict[str, tuple[int, int]] = {}
             self._handles.append(transformer.register_forward_pre_hook(_grid_recorder(grid, self.tokens),
                                                                       with_kwargs=True))
+            if self.whole_stacks:
+                kept: dict[str, int] = {}
+                self._handles.append(selected[0].register_forward_pre_hook(self._stack_shrinker(grid, kept),
+                                                                           with_kwargs=True))
+                self._handles.append(selected[-1].register_forward_hook(_repeater(kept)))
+                continue
             for blk in selected:
                 kept: dict[str, int] = {}
                 self._handles.append(blk.attn1.register_forward_pre_hook(self._shrinker(grid, kept),
@@ -113,7 +125,7 @@ class IdealPatch:
         n = h * w
         cells = (h // self.sy) * (w // self.sx)
         cell = self.sx * self.sy
-        if self.keys_only:  # Local's count: merges in whole cells only (odd grids' edge tokens never merge)
+        if self.keys_only or self.whole_stacks:  # Local's and Stack's count: merges in whole cells only (odd grids' edge tokens never merge)
             r = min(int(cell * cells * self.ratio), (cell - 1) * cells)
         else:  # ToMe's: int(N·ratio), capped at one destination per whole cell
             r = min(int(n * self.ratio), n - cells)
@@ -143,6 +155,23 @@ class IdealPatch:
         return hook
 
 
+    def _stack_shrinker(self, grid: dict, kept: dict):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs[self.tokens]
+            kept.clear()
+            if "hw" not in grid:
+                return None
+            h, w = grid["hw"]
+            n = x.shape[1]
+            m = self.kept_tokens(h, w)
+            if n != h * w or m == n:
+                return None
+            kept["n"] = n
+            x = x[:, :m]
+            return ((x,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, **{self.tokens: x}))
+        return hook
+
+
 def _grid_recorder(grid: dict, keyword: str = "x"):
     def hook(module, args, kwargs):
         x = args[0] if args else kwargs[keyword]
@@ -160,6 +189,7 @@ def _repeater(kept: dict):
     return hook
 
 
+SAME_LEVELS = object()  # a roster's Stack at the levels of the other methods
 SIZE_WEIGHTED = "+sw"  # what the tables add to a method's name when its keys are size-weighted
 
 
@@ -171,12 +201,16 @@ def setting_name(method: str, setting: str) -> str:
 def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = True, seed: int = 0,
            max_downsample: int | None = None, tomesd_max_downsample: int = 1, with_tomesd: bool = True,
            with_ideal: bool = True, tomesd_setup: Callable[[nn.Module], None] | None = None,
-           with_local: bool = True, with_size_weighted: bool = False) -> list[Contender]:
+           with_local: bool = True, with_size_weighted: bool = False, with_stack: bool = True,
+           stack_max_downsample: int | None | object = SAME_LEVELS) -> list[Contender]:
     """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; Local at
-    each ratio; with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio (``size_weighted_keys``:
+    each ratio; Stack at each ratio (with ``with_stack``); with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio (``size_weighted_keys``:
     a key that stands for k tokens adds log k to its attention logit); tomesd at each ratio (when installed and
-    wanted, with the same options); the ideal at each ratio, and (with Local) the keys-and-values ideal at each
-    ratio.
+    wanted, with the same options); the ideal at each ratio, (with Local) the keys-and-values ideal at each
+    ratio and (with Stack) the whole-stack ideal at each ratio.
+
+    ``stack_max_downsample`` sets Stack's levels (and its ideal's) apart from the others' (``SAME_LEVELS``: the
+    same): on SDXL, whose first attention level holds a small part of the work, Stack is meant to run at 4.
 
     ToMe's and ToDo's random partition is keyed on ``seed``. tomesd draws its partition from a generator it
     forks off torch's global RNG at its first call: seed the global RNG before a run to make it repeatable.
@@ -186,8 +220,10 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
         return Contender(setting_name(method, setting), apply, remove, method, setting, ideal)
 
     out = [labelled("none", "–", lambda m: None, lambda m: None)]
+    stack_levels = max_downsample if stack_max_downsample is SAME_LEVELS else stack_max_downsample
     ideal_of = (lambda r: setting_name("ideal", f"{r:.2f}")) if with_ideal else (lambda r: None)
     kv_ideal_of = (lambda r: setting_name("ideal", f"KV {r:.2f}")) if with_ideal else (lambda r: None)
+    stack_ideal_of = (lambda r: setting_name("ideal", f"S {r:.2f}")) if with_ideal else (lambda r: None)
     for ratio in ratios:
         out.append(labelled("ToMe", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
             m, ratio=r, max_downsample=max_downsample, use_rand=use_rand, seed=seed), tome_core.remove_patch,
@@ -200,6 +236,11 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
             out.append(labelled("Local", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
                 m, method="local", ratio=r, max_downsample=max_downsample), tome_core.remove_patch,
                 kv_ideal_of(ratio)))
+    if with_stack:
+        for ratio in ratios:
+            out.append(labelled("Stack", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
+                m, method="stack", ratio=r, max_downsample=stack_levels), tome_core.remove_patch,
+                stack_ideal_of(ratio)))
     if with_size_weighted:
         for ratio in ratios:
             out.append(labelled(f"ToMe {SIZE_WEIGHTED}", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
@@ -228,4 +269,7 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
         for ratio in ratios if with_local else ():
             patch = IdealPatch(ratio, max_downsample, keys_only=True)
             out.append(labelled("ideal", f"KV {ratio:.2f}", patch.apply, patch.remove))
+        for ratio in ratios if with_stack else ():
+            patch = IdealPatch(ratio, stack_levels, whole_stacks=True)
+            out.append(labelled("ideal", f"S {ratio:.2f}", patch.apply, patch.remove))
     return out

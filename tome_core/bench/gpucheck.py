@@ -1,9 +1,10 @@
 """One-call GPU check: ``python -m tome_core.gpucheck`` (about a minute on an H200; the timing is bounded by
 ``--budget``).
 
-fp16 with SDP attention: SD 1.5 at 512, 1024 and 2048 px and SDXL at 1024 px, whole U-Net step, no merging,
-ToMe, ToDo (factor 2), tomesd (when installed) and the ideal in interleaved rounds at ratio 0.5, with each one's defaults except that
-tomesd is given the SDXL level ours picks; then the int32 index path against the int64 path on the same
+fp16 with SDP attention: SD 1.5 at 512, 1024 and 2048 px and SDXL at 1024 and 2048 px, whole U-Net step, no
+merging, ToMe, ToDo (factor 2), Local, Stack, tomesd (when installed) and the ideals in interleaved rounds at ratio
+0.5, with each one's defaults except that tomesd is given the SDXL level ours picks and Stack runs at levels 4
+on SDXL (with its ideal); then the int32 index path against the int64 path on the same
 device, a check that a patched U-Net call makes no host-device sync, and speed with fidelity (PSNR, SSIM after
 ``--steps`` Euler steps) of every method on the shipped proxy. Prints markdown. Each case gets an
 equal share of ``--budget`` seconds of timing: it runs at least 3 rounds, and no new round once its share is
@@ -34,7 +35,9 @@ from .report import Case, case_lines, case_timings, find_busy, table, table_head
 from .timing import progress_bar
 
 PROG = "python -m tome_core.gpucheck"
-CASES = (("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024))
+CASES = (("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024), ("sdxl", 2048))
+# Stack's levels per model: SDXL's first attention level holds 17% of its work, the second 63%.
+STACK_LEVELS = {"sdxl": 4}
 RATIO = 0.5
 TODO_FACTOR = 2
 # The fidelity section on the shipped proxy: ToMe and tomesd at these ratios, ToDo at these factors.
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(2, 4, size // 8, size // 8, generator=gen).to(device, dtype)
             ctx = [torch.randn(2, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
             t = torch.full((2,), 500.0, device=device)
-            racers = roster([RATIO], [TODO_FACTOR], tomesd_max_downsample=2 ** archs.top_attention_level(arch))
+            racers = roster([RATIO], [TODO_FACTOR], tomesd_max_downsample=2 ** archs.top_attention_level(arch),
+                            stack_max_downsample=STACK_LEVELS.get(arch))
             ops: dict = {}
             ms = race(f"{arch} {size} px", wrapped, lambda: unet(x, t, context=ctx), racers, setup, args.repeats,
                       budget, ops)

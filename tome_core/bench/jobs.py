@@ -19,9 +19,9 @@ from tome_core.options import effective_ratio
 from tome_core.patch import transformer_levels
 
 from . import archs
-from .contenders import SIZE_WEIGHTED, Contender, Wrapped, roster, tomesd_available
+from .contenders import SAME_LEVELS, SIZE_WEIGHTED, Contender, Wrapped, roster, tomesd_available
 from .fidelity import Pictures, sample_pictures
-from .opcount import OpCount, count_ops, ops_per_block
+from .opcount import Cost, OpCount, added_cost, count_ops
 from .pipeline import Pipeline
 from .report import Case, Entry, Fidelity, Load, worst_load
 from .stepwise import step_errors
@@ -62,7 +62,7 @@ def contender_names(with_tomesd: bool = True, with_ideal: bool = True, with_size
                     ) -> list[str]:
     """The methods a run will race, in their order."""
     weighted = [f"ToMe {SIZE_WEIGHTED}", f"Local {SIZE_WEIGHTED}"] if with_size_weighted else []
-    return (["none", "ToMe", "ToDo", "Local"] + weighted + (["tomesd"] if with_tomesd and tomesd_available() else [])
+    return (["none", "ToMe", "ToDo", "Local", "Stack"] + weighted + (["tomesd"] if with_tomesd and tomesd_available() else [])
             + (["ideal"] if with_ideal else []))
 
 
@@ -70,14 +70,15 @@ def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_i
                 with_size_weighted: bool = False) -> int:
     """How many contenders a roster of ``ratios`` ratios and ``todo_factors`` factors holds."""
     names = contender_names(with_tomesd, with_ideal)
-    # Per ratio: ToMe and Local (and each size-weighted), tomesd, the ideal and the keys-and-values ideal.
-    return 1 + ratios * (2 + 2 * with_size_weighted + ("tomesd" in names) + ideals_per_ratio("ideal" in names)) \
+    # Per ratio: ToMe, Local and Stack (and ToMe and Local size-weighted), tomesd, and the three ideals.
+    return 1 + ratios * (3 + 2 * with_size_weighted + ("tomesd" in names) + ideals_per_ratio("ideal" in names)) \
         + todo_factors
 
 
 def ideals_per_ratio(with_ideal: bool) -> int:
-    """The ideal contenders of one ratio: the ideal merge and the keys-and-values ideal (never sampled)."""
-    return 2 if with_ideal else 0
+    """The ideal contenders of one ratio: the ideal merge, the keys-and-values ideal and the whole-stack ideal
+    (never sampled)."""
+    return 3 if with_ideal else 0
 
 
 def inputs(batch: int, channels: int, side: int, ctx_dim: int, depth: int, device: torch.device,
@@ -90,12 +91,13 @@ def inputs(batch: int, channels: int, side: int, ctx_dim: int, depth: int, devic
 
 
 def race(label: str, model: nn.Module, call: Callable[[], object], racers: list[Contender], setup: Setup,
-         rounds: int, budget_s: float | None = None, ops: dict[str, float | None] | None = None
+         rounds: int, budget_s: float | None = None, ops: dict[str, Cost] | None = None
          ) -> dict[str, Spread]:
     """Each contender's ms per ``call()`` over interleaved rounds; notes the cores others used meanwhile.
 
     With ``ops``, each contender's warm-up is two calls, the second under an op counter (neither is timed), and
-    ``ops`` gets the dispatched operations a patched block adds at every later call, by contender name.
+    ``ops`` gets what a contender adds at every later call (dispatched operations per patched block and stack,
+    multiply-adds against none's), by contender name.
     """
     setup.progress.set_postfix_str(label)
     watch = CpuWatch()
@@ -122,7 +124,7 @@ def race(label: str, model: nn.Module, call: Callable[[], object], racers: list[
                                  on_call=lambda name: setup.progress.update())
     setup.loads.append((label, watch.others()))
     if ops is not None and "none" in counts:
-        ops.update({name: ops_per_block(counts["none"], count) for name, count in counts.items()
+        ops.update({name: added_cost(counts["none"], count) for name, count in counts.items()
                     if name != "none"})
     return spreads(samples)
 
@@ -140,7 +142,8 @@ def racers_for(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_setu
     return roster(effective_ratios(args.ratios), args.todo_factors, use_rand=not args.no_rand, seed=args.seed,
                   max_downsample=args.max_downsample, tomesd_max_downsample=tomesd_max_downsample,
                   with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup,
-                  with_size_weighted=getattr(args, "size_weighted", False))
+                  with_size_weighted=getattr(args, "size_weighted", False),
+                  stack_max_downsample=getattr(args, "stack_max_downsample", None) or SAME_LEVELS)
 
 
 def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = None) -> list[Case]:
@@ -155,7 +158,7 @@ def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = 
             t = torch.full((args.batch,), 500.0, device=setup.device)
             # On SDXL, give tomesd the level ours picks automatically, so the race is fair.
             racers = racers_for(args, args.max_downsample or 2 ** archs.top_attention_level(arch))
-            ops: dict[str, float | None] = {}
+            ops: dict[str, Cost] = {}
             ms = race(f"U-Net {arch} {size} px", wrapped, lambda: unet(x, t, context=ctx), racers, setup,
                       args.repeats, budget_s, ops)
             cases.append(Case(arch, size, entries(racers), ms, None, ops))
@@ -183,7 +186,7 @@ def bench_block(args: argparse.Namespace, setup: Setup) -> list[Case]:
                 transformer._tome_info["size"] = (grid, grid)
 
             racers = racers_for(args, 8, tell_tomesd_the_grid)
-            ops: dict[str, float | None] = {}
+            ops: dict[str, Cost] = {}
             if hasattr(transformer, "is_input_continuous"):  # a diffusers Transformer2DModel
                 text = ctx[0] if isinstance(ctx, list) else ctx  # one context for all its blocks, not one each
                 call = lambda: transformer(x, encoder_hidden_states=text).sample  # noqa: E731
@@ -212,7 +215,7 @@ def bench_pipeline(args: argparse.Namespace, setup: Setup, pipe: Pipeline, size:
     kwargs = {"context": pipe.context.to(setup.device, setup.dtype).expand(args.batch, *pipe.context.shape[1:])}
     if pipe.y is not None:
         kwargs["y"] = pipe.y.to(setup.device, setup.dtype).expand(args.batch, *pipe.y.shape[1:])
-    ops: dict[str, float | None] = {}
+    ops: dict[str, Cost] = {}
     ms = race(f"{pipe.label} {size} px", wrapped, lambda: unet(x, t, **kwargs), racers, setup, args.repeats,
               ops=ops)
     return Case(pipe.label, size, entries(racers), ms, fidelity, ops), pictures

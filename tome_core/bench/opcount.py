@@ -42,6 +42,20 @@ class OpCount:
     per_block: tuple[int, ...]
     # Per block: the shapes of the tensors its attn1, attn2 and ff were called with.
     shapes: tuple[tuple, ...] = ()
+    # Per block: the number of the transformer stack holding it (stacks counted in the model's order).
+    stack_of: tuple[int, ...] = ()
+    multiply_adds: int = 0  # of the whole call (see ``tome_core.bench.macs``)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a method adds to one U-Net call against the same call unpatched: dispatched operations per block and
+    per transformer stack it acts in (None: it acts in none at this size), and its multiply-adds as a fraction
+    of the plain call's (None: not counted)."""
+
+    per_block: float | None
+    per_stack: float | None
+    multiply_adds: float | None
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -50,8 +64,13 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def count_ops(model: nn.Module, call: Callable[[], object]) -> OpCount:
-    """Operations dispatched by ``call()`` (one U-Net or block call on ``model``), in total and per block."""
+    """Operations dispatched by ``call()`` (one U-Net or block call on ``model``), in total and per block, and
+    its multiply-adds."""
+    from .macs import MultiplyAddCounter
+
     blocks = transformer_blocks(model)
+    stack_number = {id(blk): k for k, stack in enumerate(m for m in model.modules() if hasattr(m, "transformer_blocks"))
+                    for blk in stack.transformer_blocks}
     counter = _Counter()
     inside = [0] * len(blocks)
     shapes: list[list] = [[] for _ in blocks]
@@ -76,13 +95,16 @@ def count_ops(model: nn.Module, call: Callable[[], object]) -> OpCount:
                                                      prepend=True))
         handles.append(blk.register_forward_hook(
             lambda m, a, o, i=i: inside.__setitem__(i, inside[i] + counter.total - starts.pop(i))))
+    macs = MultiplyAddCounter()
     try:
-        with torch.no_grad(), counter:
+        # The multiply-add counter inside the op counter: it launches nothing of its own.
+        with torch.no_grad(), counter, macs:
             call()
     finally:
         for handle in handles:
             handle.remove()
-    return OpCount(counter.total, tuple(inside), tuple(tuple(s) for s in shapes))
+    return OpCount(counter.total, tuple(inside), tuple(tuple(s) for s in shapes),
+                   tuple(stack_number.get(id(blk), -1) for blk in blocks), macs.total)
 
 
 def ops_per_block(plain: OpCount, patched: OpCount) -> float | None:
@@ -95,3 +117,25 @@ def ops_per_block(plain: OpCount, patched: OpCount) -> float | None:
     if acting == 0:
         return None
     return (patched.total - plain.total) / acting
+
+
+def _acting(plain: OpCount, patched: OpCount) -> list[bool]:
+    """Per block, whether the method acts in it (see ``ops_per_block``)."""
+    acting = [p != q for p, q in zip(plain.shapes, patched.shapes)]
+    if not any(acting):
+        acting = [p != q for p, q in zip(plain.per_block, patched.per_block)]
+    return acting
+
+
+def ops_per_stack(plain: OpCount, patched: OpCount) -> float | None:
+    """Operations a patched transformer stack adds: (patched − plain) in total over the stacks holding a block
+    the method acts in; None when it acts in none."""
+    stacks = {k for k, acts in zip(patched.stack_of, _acting(plain, patched)) if acts}
+    if not stacks:
+        return None
+    return (patched.total - plain.total) / len(stacks)
+
+
+def added_cost(plain: OpCount, patched: OpCount) -> Cost:
+    macs = patched.multiply_adds / plain.multiply_adds if plain.multiply_adds else None
+    return Cost(ops_per_block(plain, patched), ops_per_stack(plain, patched), macs)

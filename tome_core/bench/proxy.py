@@ -45,17 +45,24 @@ WEIGHTS_FILE = os.path.join(HERE, "proxy_weights.safetensors")  # seed 0, the fi
 # measures fidelity on each, since one proxy's figures do not all replicate on another.
 SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(HERE, "proxy_weights_seed1.safetensors"),
                    os.path.join(HERE, "proxy_weights_seed2.safetensors"))
+# The SDXL-layout proxies (``--layout sdxl``), seeds 0, 1 and 2: the default run races them after the others.
+SHIPPED_SDXL_WEIGHTS = tuple(os.path.join(HERE, f"proxy_weights_sdxl_seed{k}.safetensors") for k in range(3))
 
 
-def shipped_weights() -> tuple[list[str], list[str]]:
-    """The shipped proxies' weight files that are here, and those that are not (each missing one is made by
-    ``train --seed K --out PATH``, K its place in ``SHIPPED_WEIGHTS``)."""
-    here = [p for p in SHIPPED_WEIGHTS if os.path.isfile(p)]
-    return here, [p for p in SHIPPED_WEIGHTS if p not in here]
+def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl")) -> tuple[list[str], list[str]]:
+    """The shipped proxies' weight files of ``layouts`` that are here, and those that are not (each missing one
+    is made by ``train_command``)."""
+    files = (SHIPPED_WEIGHTS if "sd15" in layouts else ()) + (SHIPPED_SDXL_WEIGHTS if "sdxl" in layouts else ())
+    here = [p for p in files if os.path.isfile(p)]
+    return here, [p for p in files if p not in here]
 
 
 def train_command(path: str) -> str:
-    """The command that makes the shipped proxy file ``path`` again."""
+    """The command that makes the shipped proxy file ``path`` again (its seed is its place in
+    ``SHIPPED_WEIGHTS`` or ``SHIPPED_SDXL_WEIGHTS``)."""
+    if path in SHIPPED_SDXL_WEIGHTS:
+        return (f"python -m tome_core.bench.proxy train --layout sdxl --seed {SHIPPED_SDXL_WEIGHTS.index(path)} "
+                f"--out {path}")
     seed = SHIPPED_WEIGHTS.index(path) if path in SHIPPED_WEIGHTS else 0
     return f"python -m tome_core.bench.proxy train --seed {seed} --out {path}"
 EVAL_SIZE = 64  # px per side at which fidelity runs and tests use the model: 4,096 tokens at the top level
@@ -69,6 +76,52 @@ PROXY_ARCH = dict(image_size=EVAL_SIZE, in_channels=3, out_channels=3, model_cha
                   num_res_blocks=1, attention_resolutions=[4, 2, 1], num_heads=2, use_spatial_transformer=True,
                   transformer_depth=1, context_dim=CONTEXT_DIM, use_linear_in_transformer=False, legacy=False)
 
+# SDXL's layout at small widths, for methods that act at SDXL's levels: no attention at full resolution, two
+# blocks a transformer at downsampling 2 and a deep stack (ten, as SDXL's) at 4, linear projections, a fixed head
+# width; one residual block per level. At 128×128 px its attention levels hold 4,096 and 1,024 tokens, as
+# SDXL's do at 1024 px. Built at depth 10 and trimmed (``SDXL_PROXY_DEPTHS``), as the benchmark builds SDXL.
+SDXL_EVAL_SIZE = 128
+SDXL_PROXY_ARCH = dict(image_size=SDXL_EVAL_SIZE, in_channels=3, out_channels=3, model_channels=32,
+                       channel_mult=[1, 1, 2], num_res_blocks=1, attention_resolutions=[4, 2], num_head_channels=16,
+                       use_spatial_transformer=True, transformer_depth=10, context_dim=[CONTEXT_DIM] * 10,
+                       use_linear_in_transformer=True, legacy=False)
+SDXL_PROXY_DEPTHS = {1: 2, 2: 10}
+
+
+@dataclass(frozen=True)
+class ProxyLayout:
+    """One proxy architecture: ldm ``UNetModel`` arguments, per-level transformer depths (None: as built), the
+    evaluation size in px and the default training stages ((crop side px, steps, batch), run in order)."""
+
+    name: str
+    arch: dict
+    depths: dict | None
+    eval_size: int
+    stages: tuple[tuple[int, int, int], ...]
+
+
+LAYOUTS = {
+    # Most steps at 16 px (attention cost grows with the square of the tokens), then 32 px, then the evaluation
+    # size, so the top level's attention has seen 4,096 tokens: about an hour on one CPU thread. Half these
+    # steps (a quarter at 64 px) trained proxies that ordered the methods alike but whose figures lay nearly
+    # twice as far apart between seeds.
+    "sd15": ProxyLayout("sd15", PROXY_ARCH, None, EVAL_SIZE, ((16, 1600, 32), (32, 400, 16), (64, 160, 4))),
+    # SD 1.5's recipe one size up at every stage would take four hours; most steps stay small here and the
+    # last stage, at the evaluation size where the attention levels see 4,096 and 1,024 tokens, is short:
+    # about 26 minutes on one CPU thread.
+    "sdxl": ProxyLayout("sdxl", SDXL_PROXY_ARCH, SDXL_PROXY_DEPTHS, SDXL_EVAL_SIZE,
+                        ((32, 1200, 16), (64, 400, 4), (128, 80, 2))),
+}
+
+
+def layout_of(metadata: dict[str, str]) -> ProxyLayout:
+    """The layout a weight file's metadata names ("layout"; files from before SDXL's layout: SD 1.5's)."""
+    name = metadata.get("layout", "sd15")
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown proxy layout {name!r}; known: {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
+
+
 # Photographs (scikit-image's ``skimage.data`` names; "china" and "flower" are scikit-learn's sample images).
 # Grayscale ones are used as three equal channels.
 TRAIN_IMAGES = ("astronaut", "coffee", "rocket", "motorcycle_left", "hubble_deep_field", "retina",
@@ -80,21 +133,30 @@ HELD_OUT = ("chelsea", "flower", "camera")
 
 # -- architecture -------------------------------------------------------------------------------------------------
 
-def build_proxy_unet(seed: int = 0) -> nn.Module:
-    """A freshly initialised proxy U-Net (float32, CPU), its weights drawn from ``seed``.
+def build_proxy_unet(seed: int = 0, layout: str = "sd15") -> nn.Module:
+    """A freshly initialised proxy U-Net of ``layout`` (float32, CPU), its weights drawn from ``seed``.
 
-    Takes x (B, 3, h, w) with h, w multiples of 8, timesteps (B,) and context (B, T, 32); returns (B, 3, h, w).
+    Takes x (B, 3, h, w) with h, w multiples of 8 (SDXL's layout: 4), timesteps (B,) and context (B, T, 32);
+    returns (B, 3, h, w).
     """
-    from .archs import require_ldm
+    from .archs import require_ldm, trim_depths
 
     require_ldm()
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
+    spec = LAYOUTS[layout]
     # ldm's layers draw their initial weights from the global generator: seed it, leaving the caller's state
     # as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return UNetModel(**PROXY_ARCH)
+        unet = UNetModel(**spec.arch)
+    if spec.depths is not None:
+        from .checkpoint import context_as_list
+
+        trim_depths(unet, spec.depths)
+        # ldm's SpatialTransformer takes one context per block: a deep stack needs them as a list.
+        unet.register_forward_pre_hook(context_as_list(max(spec.depths.values())), with_kwargs=True)
+    return unet
 
 
 @dataclass
@@ -102,11 +164,8 @@ class TrainConfig:
     """One training run. ``stages`` are (crop side px, steps, batch) run in order."""
 
     seed: int = 0
-    # Most steps at 16 px (attention cost grows with the square of the tokens), then 32 px, then the evaluation
-    # size, so the top level's attention has seen 4,096 tokens: about an hour on one CPU thread. Half these
-    # steps (a quarter at 64 px) trained proxies that ordered the methods alike but whose figures lay nearly
-    # twice as far apart between seeds.
-    stages: tuple[tuple[int, int, int], ...] = ((16, 1600, 32), (32, 400, 16), (64, 160, 4))
+    stages: tuple[tuple[int, int, int], ...] = LAYOUTS["sd15"].stages
+    layout: str = "sd15"
     lr: float = 1e-3
     warmup: int = 100
     ema: float = 0.99
@@ -213,7 +272,7 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     if images is None:
         images = load_photographs(TRAIN_IMAGES)
     pyramids = [pyramid(image) for image in images]
-    unet = build_proxy_unet(config.seed).train()
+    unet = build_proxy_unet(config.seed, config.layout).train()
     gen = torch.Generator().manual_seed(config.seed)
     context = nn.Parameter(torch.randn(1, CONTEXT_TOKENS, CONTEXT_DIM, generator=gen))
     params = list(unet.parameters()) + [context]
@@ -251,13 +310,16 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     return {name: e.clone() for name, e in zip(names, ema)}
 
 
-def save_weights(state: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None) -> None:
+def save_weights(state: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None,
+                 layout: str = "sd15") -> None:
     """Write ``state`` as float16 safetensors (the shipped file must stay small; float16 loses nothing that
-    ranking methods needs)."""
+    ranking methods needs), with its architecture (and, for SDXL's layout, the layout's name) in the metadata."""
     from safetensors.torch import save_file
 
+    spec = LAYOUTS[layout]
+    named = {} if layout == "sd15" else {"layout": layout, "depths": json.dumps(spec.depths)}
     save_file({k: v.detach().to(torch.float16).contiguous() for k, v in state.items()}, path,
-              metadata={"arch": json.dumps(PROXY_ARCH), **(metadata or {})})
+              metadata={"arch": json.dumps(spec.arch), **named, **(metadata or {})})
 
 
 # -- loading ----------------------------------------------------------------------------------------------------
@@ -283,16 +345,20 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
 
     metadata = read_metadata(path)
     check_arch(path, metadata)
+    spec = layout_of(metadata)
     use_webui_unet()
     state = {k: v.float() for k, v in load_file(path).items()}
     context = state.pop("context")
-    unet = build_proxy_unet(0)
+    unet = build_proxy_unet(0, spec.name)
     unet.load_state_dict(state)
     unet = in_run_dtype(unet, torch.device(device), dtype).requires_grad_(False)
-    return Pipeline(name="proxy (pixel-space SD 1.x-layout U-Net trained on photographs)", unet=unet,
+    # The SD 1.5-layout proxy is "proxy" in the tables, as it was before the SDXL layout existed.
+    name = ("proxy (pixel-space SD 1.x-layout U-Net trained on photographs)" if spec.name == "sd15" else
+            "SDXL-layout proxy (pixel-space U-Net with SDXL's levels, trained on photographs)")
+    return Pipeline(name=name, unet=unet,
                     context=context.to(device, dtype), prediction="eps", channels=3, downscale=1,
                     decode=lambda x: ((x.float() + 1) / 2).clamp(0, 1),
-                    notes=["shipped proxy model: ranks methods, not an FID"])
+                    notes=["shipped proxy model: ranks methods, not an FID"], size=spec.eval_size)
 
 
 MAKE_ONE = "make one with: python -m tome_core.bench.proxy train --seed N --out proxy-seedN.safetensors"
@@ -319,13 +385,14 @@ def check_arch(path: str, metadata: dict[str, str]) -> None:
         arch = json.loads(metadata.get("arch", "null"))
     except ValueError:
         arch = None
-    if arch == PROXY_ARCH:
+    expected = layout_of(metadata).arch
+    if arch == expected:
         return
     if not isinstance(arch, dict):
         raise ValueError(f"{path}: a safetensors file, but not a proxy model's weights (no proxy architecture "
                          f"in its metadata); {MAKE_ONE}")
-    differ = [f"{k} {arch.get(k, '(none)')} where this code builds {PROXY_ARCH[k]}" for k in PROXY_ARCH
-              if arch.get(k) != PROXY_ARCH[k]] + [f"{k} (unknown here)" for k in arch if k not in PROXY_ARCH]
+    differ = [f"{k} {arch.get(k, '(none)')} where this code builds {expected[k]}" for k in expected
+              if arch.get(k) != expected[k]] + [f"{k} (unknown here)" for k in arch if k not in expected]
     shown = "; ".join(differ[:2]) + (f"; and {len(differ) - 2} more" if len(differ) > 2 else "")
     raise ValueError(f"{path}: a proxy of another architecture ({shown}); {MAKE_ONE}")
 
@@ -338,7 +405,7 @@ def describe(path: str | None) -> str:
     except ValueError:
         seed = None
     name = f"seed {seed}" if seed is not None else os.path.basename(path)
-    shipped = os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS}
+    shipped = os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS + SHIPPED_SDXL_WEIGHTS}
     return name if shipped or seed is None else f"{name} ({os.path.basename(path)})"
 
 
@@ -376,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train the proxy from a seed and write its weights")
     p_train.add_argument("--seed", type=int, default=0)
+    p_train.add_argument("--layout", default="sd15", choices=sorted(LAYOUTS),
+                         help="sd15 (the default) or sdxl: SDXL's levels at small widths, evaluated at 128 px")
     p_train.add_argument("--out", default=WEIGHTS_FILE)
     p_train.add_argument("--threads", type=int, default=TrainConfig.threads)
     p_train.add_argument("--stages", default=None,
@@ -390,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "train":
-        config = TrainConfig(seed=args.seed, threads=args.threads)
+        config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout,
+                             stages=LAYOUTS[args.layout].stages)
         if args.stages:
             config.stages = tuple(tuple(int(v) for v in s.split(":")) for s in args.stages.split(","))
         start = time.time()
@@ -403,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         state = train(config, log=log)
         seconds = time.time() - start
         save_weights(state, args.out, {"seed": str(args.seed), "stages": json.dumps(config.stages),
-                                       "train_seconds": f"{seconds:.0f}", "last_log": losses[-1] if losses else ""})
+                                       "train_seconds": f"{seconds:.0f}", "last_log": losses[-1] if losses else ""},
+                     args.layout)
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB) in {seconds:.0f}s")
     else:
         torch.set_num_threads(args.threads)

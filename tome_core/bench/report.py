@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .opcount import Cost
 from .timing import Spread
 
 # A contender whose interquartile range over the rounds is wider than this fraction of its median makes the
@@ -56,14 +57,15 @@ class Entry:
 @dataclass
 class Case:
     """One model at one size, every contender raced together: ``ms`` by contender name; ``fidelity`` and
-    ``ops`` (dispatched operations a patched block adds) by name where measured."""
+    ``ops`` (what a contender adds: operations per patched block and stack, multiply-adds) by name where
+    measured."""
 
     model: str
     size: int
     entries: list[Entry]
     ms: dict[str, Spread] = field(default_factory=dict)
     fidelity: dict[str, Fidelity] | None = None  # None: not measured (random weights, or --no-fidelity)
-    ops: dict[str, float | None] = field(default_factory=dict)
+    ops: dict[str, Cost] = field(default_factory=dict)
 
     def speedup(self, name: str) -> float | None:
         """Median of no merging over median of ``name``."""
@@ -92,6 +94,10 @@ class Case:
         if ideal < 1.0 + MIN_IDEAL_GAIN or self.speedup_range(entry.ideal)[0] <= 1.0:
             return None
         return share_of_ideal(speedup, ideal)
+
+
+def count_cell(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
 
 
 def ms_cell(spread: Spread | None) -> str:
@@ -131,21 +137,26 @@ def table_head(title: str, rounds: str, fidelity_note: str) -> str:
         f"## {title}", "",
         f"Median ms per call over {rounds} interleaved rounds, (spread) = interquartile range / median; "
         f"speed-up = none / method; share = (speed-up − 1) / (ideal − 1) against the ideal at the same ratio "
-        f"(Local: the keys-and-values ideal, ideal KV), "
+        f"(Local: the keys-and-values ideal, ideal KV; Stack: the whole-stack ideal, ideal S), "
         f"– where the ideal gains under {MIN_IDEAL_GAIN:.0%} or nothing beyond its spread; ops/block = "
-        f"dispatched operations a patched transformer block adds. {fidelity_note}", "",
-        "| model | px | method | setting | ms | speed-up | share | PSNR dB | SSIM | step dB | ops/block |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|"])
+        f"dispatched operations a patched transformer block adds, ops/stack those a patched transformer stack "
+        f"adds; MACs = the call's multiply-adds over none's. {fidelity_note}", "",
+        "| model | px | method | setting | ms | speed-up | share | PSNR dB | SSIM | step dB | ops/block | ops/stack "
+        "| MACs |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"])
 
 
 def table_line(case: Case, entry: Entry) -> str:
     """One line: a contender's ms, speed-up, share, fidelity and added ops ("–": not measured or not apt)."""
     fid = None if case.fidelity is None else case.fidelity.get(entry.name)
-    ops = case.ops.get(entry.name)
+    cost = case.ops.get(entry.name)
     if entry.method == "none":
-        ops_cell = "0" if case.ops else "–"
+        ops_cells = ["0", "0", "1.00"] if case.ops else ["–"] * 3
+    elif cost is None:
+        ops_cells = ["–"] * 3
     else:
-        ops_cell = "–" if ops is None else f"{ops:.0f}"
+        ops_cells = [count_cell(cost.per_block), count_cell(cost.per_stack),
+                     "–" if cost.multiply_adds is None else f"{cost.multiply_adds:.2f}"]
     cells = [case.model, str(case.size), entry.method, entry.setting, ms_cell(case.ms.get(entry.name)),
              _x(case.speedup(entry.name)), _pct(case.share(entry.name))]
     if fid is None:
@@ -153,7 +164,7 @@ def table_line(case: Case, entry: Entry) -> str:
     else:
         cells += [figure_cell(fid.psnr, fid.psnr_range), figure_cell(fid.ssim, fid.ssim_range, 3),
                   figure_cell(fid.step, fid.step_range)]
-    cells.append(ops_cell)
+    cells += ops_cells
     return "| " + " | ".join(cells) + " |"
 
 
