@@ -156,9 +156,12 @@ def test_gpu_check_script_runs_small_on_cpu(capsys):
                           "--steps", "0", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert [line.split("|")[1:3] for line in out.splitlines() if line.startswith(("| sd15 |", "| sdxl |"))
-            and "| none |" in line] == [[" sd15 ", " 64 "], [" sd15 ", " 128 "], [" sd15 ", " 256 "], [" sdxl ", " 128 "]]
-    for method in ("ToMe | 0.50", "ToDo | f=2", "tomesd | 0.50", "ideal | 0.50"):
-        assert out.count(f"| {method} |") == 4, method
+            and "| none |" in line] == [[" sd15 ", " 64 "], [" sd15 ", " 128 "], [" sd15 ", " 256 "], [" sdxl ", " 128 "],
+                                        [" sdxl ", " 256 "]]
+    for method in ("ToMe | 0.50", "ToDo | f=2", "Local | 0.50", "Stack | 0.50", "tomesd | 0.50", "ideal | 0.50",
+                   "ideal | S 0.50"):
+        assert out.count(f"| {method} |") == 5, method
+    assert "| ops/stack | MACs |" in out
     assert "| share |" in out and "| ops/block |" in out
     assert "merge plans (partition, matching, slot maps) identical" in out
     assert "bitwise equal" in out or "equal up to half-precision rounding" in out

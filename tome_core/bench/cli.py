@@ -36,6 +36,7 @@ from .report import Case, Load, case_timings, find_busy, ms_cell, table
 from .timing import CpuWatch, progress_bar
 
 PROG = "python -m tome_core.bench"
+METHOD_NAMES = ("ToMe", "ToDo", "Local", "Stack", "tomesd")
 DEFAULT_SHEET = "tome-fidelity.png"
 PROXY_IMAGES = 4  # images per proxy in the default run: three proxies, two passes of 20 steps per contender
 
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--size-weighted", action="store_true",
                     help="also race ToMe and Local with size-weighted keys (\"ToMe +sw\", \"Local +sw\": a key "
                          "that stands for k tokens adds log k to its attention logit) at each ratio")
+    ap.add_argument("--methods", nargs="+", default=None, choices=list(METHOD_NAMES),
+                    help="race only these methods (and their ideals) beside no merging (default: all)")
     ap.add_argument("--no-tomesd", action="store_true", help="leave tomesd out even when installed")
     ap.add_argument("--no-ideal", action="store_true", help="leave the ideal out")
     ap.add_argument("--plot", default=None,

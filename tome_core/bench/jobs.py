@@ -139,6 +139,16 @@ def entries(racers: list[Contender]) -> list[Entry]:
 
 
 def racers_for(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_setup=None) -> list[Contender]:
+    racers = _all_racers(args, tomesd_max_downsample, tomesd_setup)
+    wanted = getattr(args, "methods", None)
+    if not wanted:
+        return racers
+    kept = [c for c in racers if c.method == "none" or c.method.split()[0] in wanted]
+    ideals = {c.ideal for c in kept}
+    return kept + [c for c in racers if c.method == "ideal" and c.name in ideals]
+
+
+def _all_racers(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_setup=None) -> list[Contender]:
     return roster(effective_ratios(args.ratios), args.todo_factors, use_rand=not args.no_rand, seed=args.seed,
                   max_downsample=args.max_downsample, tomesd_max_downsample=tomesd_max_downsample,
                   with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup,
