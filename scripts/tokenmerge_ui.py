@@ -18,6 +18,7 @@ defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import weakref
 from functools import partial
@@ -228,6 +229,35 @@ class DiffusersPasses:
             self.start_pass(True)  # the base pass's last call: the hires pass comes next
 
 
+EXTENSION_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLAIM_ATTRIBUTE = "tokenmerge_extension_dir"
+"""Attribute of the host's ``shared`` module naming the folder of the copy of this extension that runs."""
+
+
+def claim_extension(here: str = EXTENSION_DIR) -> str | None:
+    """Claim this process for the copy of the extension in ``here``; the folder of the copy that claimed it
+    first when that is another one (the extension is installed twice: a clone and an "Install from URL"), else
+    None. Two copies would each patch every job, and their patches would undo each other's."""
+    owner = getattr(shared, CLAIM_ATTRIBUTE, None)
+    if owner is not None and os.path.realpath(owner) != os.path.realpath(here):
+        return owner
+    setattr(shared, CLAIM_ATTRIBUTE, here)
+    return None
+
+
+def _release_claim() -> None:
+    """On "Reload UI" the scripts load afresh: the copy that claimed the process lets it go, so that the one
+    still installed claims it then."""
+    if getattr(shared, CLAIM_ATTRIBUTE, None) == EXTENSION_DIR:
+        delattr(shared, CLAIM_ATTRIBUTE)
+
+
+OTHER_COPY = claim_extension()
+if OTHER_COPY is not None:
+    print(f"{LOG_PREFIX} this extension is installed twice, in {OTHER_COPY} and in {EXTENSION_DIR}: the copy in "
+          f"{EXTENSION_DIR} steps aside (remove one of the two folders)")
+
+
 class TokenMergeScript(scripts.Script):
     section = "accordions"
 
@@ -235,7 +265,8 @@ class TokenMergeScript(scripts.Script):
         return "ToMe"
 
     def show(self, is_img2img: bool) -> Any:
-        return scripts.AlwaysVisible
+        # A second copy of the extension shows nothing, so the host never calls its hooks.
+        return scripts.AlwaysVisible if OTHER_COPY is None else False
 
     # -- UI ----------------------------------------------------------------------------------------------------
 
@@ -483,6 +514,7 @@ def _register_callbacks() -> None:
     _callbacks_registered = True
     script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
     script_callbacks.on_script_unloaded(end_job)
+    script_callbacks.on_script_unloaded(_release_claim)
     script_callbacks.on_infotext_pasted(_on_infotext_pasted)
     # SD.Next: runs after every job, also one whose sampling failed (its postprocess hooks are skipped then).
     on_after_process = getattr(script_callbacks, "on_after_process", None)
@@ -513,4 +545,5 @@ def _on_infotext_pasted(infotext: str, params: dict) -> None:
             params[key] = value
 
 
-_register_callbacks()
+if OTHER_COPY is None:
+    _register_callbacks()

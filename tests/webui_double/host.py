@@ -26,8 +26,9 @@ class HTTPError(Exception):
 
 
 class Webui:
-    def __init__(self, extension_dir: str, *, nowebui: bool = False) -> None:
-        scripts.load_scripts(BUILTIN_SCRIPTS, [extension_dir])
+    def __init__(self, extension_dir: str, *, nowebui: bool = False, more_extension_dirs: tuple[str, ...] = ()
+                 ) -> None:
+        scripts.load_scripts(BUILTIN_SCRIPTS, [extension_dir, *more_extension_dirs])
         self.runners = {tab: scripts.ScriptRunner() for tab in TABS}
         for tab, runner in self.runners.items():
             runner.initialize_scripts(is_img2img=tab == "img2img")

@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "transformer, the merge overhead probe, the peak-memory probe")
     ap.add_argument("--memory-size", type=int, default=2048,
                     help="px for the peak-memory probe of one top block (0: skip it)")
+    ap.add_argument("--merge-mlp", action="store_true",
+                    help="also race ToMe with its MLP merged too (\"ToMe +mlp\", tomesd's merge_mlp)")
     ap.add_argument("--size-weighted", action="store_true",
                     help="also race ToMe and Local with size-weighted keys (\"ToMe +sw\", \"Local +sw\": a key "
                          "that stands for k tokens adds log k to its attention logit) at each ratio")
@@ -501,7 +503,7 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
 
     labels = [label for label, _ in pipes]
     pipe = pipes[0][1]
-    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted)
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted, args.methods)
     racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
                               "tomesd" in names, "ideal" in names, args.size_weighted)
     print(f"# ToMe benchmark: {pipe.name}, {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP "
@@ -611,7 +613,7 @@ def run_architectures(args: argparse.Namespace, device: torch.device, dtype: tor
     """The webui's architectures with random weights: speed only."""
     if args.sizes is None:
         args.sizes = [512, 768] if device.type == "cpu" else [512, 768, 1024]
-    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted)
+    names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted, args.methods)
     print(f"# ToMe benchmark: {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP attention, "
           f"width {args.width:g}, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}"
           f"{stack_levels_note(args)}, methods: {', '.join(names)}; random weights: speed only")

@@ -190,7 +190,8 @@ def _repeater(kept: dict):
 
 
 SAME_LEVELS = object()  # a roster's Stack at the levels of the other methods
-SIZE_WEIGHTED = "+sw"  # what the tables add to a method's name when its keys are size-weighted
+SIZE_WEIGHTED = "+sw"
+MERGE_MLP = "+mlp"  # what the tables add to ToMe's name when its MLP merges too  # what the tables add to a method's name when its keys are size-weighted
 
 
 def setting_name(method: str, setting: str) -> str:
@@ -202,7 +203,8 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
            max_downsample: int | None = None, tomesd_max_downsample: int = 1, with_tomesd: bool = True,
            with_ideal: bool = True, tomesd_setup: Callable[[nn.Module], None] | None = None,
            with_local: bool = True, with_size_weighted: bool = False, with_stack: bool = True,
-           stack_max_downsample: int | None | object = SAME_LEVELS) -> list[Contender]:
+           stack_max_downsample: int | None | object = SAME_LEVELS, with_merge_mlp: bool = False
+           ) -> list[Contender]:
     """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; Local at
     each ratio; Stack at each ratio (with ``with_stack``); with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio (``size_weighted_keys``:
     a key that stands for k tokens adds log k to its attention logit); tomesd at each ratio (when installed and
@@ -236,6 +238,11 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
             out.append(labelled("Local", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
                 m, method="local", ratio=r, max_downsample=max_downsample), tome_core.remove_patch,
                 kv_ideal_of(ratio)))
+    if with_merge_mlp:  # tomesd's merge_mlp: the MLP's tokens merged too, as Stack's are
+        for ratio in ratios:
+            out.append(labelled(f"ToMe {MERGE_MLP}", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
+                m, ratio=r, max_downsample=max_downsample, use_rand=use_rand, seed=seed, merge_mlp=True),
+                tome_core.remove_patch, ideal_of(ratio)))
     if with_stack:
         for ratio in ratios:
             out.append(labelled("Stack", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(

@@ -58,12 +58,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def contender_names(with_tomesd: bool = True, with_ideal: bool = True, with_size_weighted: bool = False
-                    ) -> list[str]:
-    """The methods a run will race, in their order."""
+def contender_names(with_tomesd: bool = True, with_ideal: bool = True, with_size_weighted: bool = False,
+                    methods: list[str] | None = None) -> list[str]:
+    """The methods a run will race, in their order (``methods``: only those, as ``--methods`` names them)."""
     weighted = [f"ToMe {SIZE_WEIGHTED}", f"Local {SIZE_WEIGHTED}"] if with_size_weighted else []
-    return (["none", "ToMe", "ToDo", "Local", "Stack"] + weighted + (["tomesd"] if with_tomesd and tomesd_available() else [])
-            + (["ideal"] if with_ideal else []))
+    names = (["ToMe", "ToDo", "Local", "Stack"] + weighted
+             + (["tomesd"] if with_tomesd and tomesd_available() else []))
+    if methods:
+        names = [n for n in names if n.split()[0] in methods]
+    return ["none"] + names + (["ideal"] if with_ideal else [])
 
 
 def roster_size(ratios: int, todo_factors: int, with_tomesd: bool = True, with_ideal: bool = True,
@@ -153,6 +156,7 @@ def _all_racers(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_set
                   max_downsample=args.max_downsample, tomesd_max_downsample=tomesd_max_downsample,
                   with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup,
                   with_size_weighted=getattr(args, "size_weighted", False),
+                  with_merge_mlp=getattr(args, "merge_mlp", False),
                   stack_max_downsample=getattr(args, "stack_max_downsample", None) or SAME_LEVELS)
 
 
