@@ -159,7 +159,10 @@ class TokenMergePatch:
         self.selected: list[_BlockRecord] = []
         # The local and stack methods' plans: this U-Net call's, by level; and those kept for reuse across
         # sampling evaluations, by (level, call slot within the evaluation, h, w). See ``_begin_level_call``.
-        self.family = family_of(root) or LDM
+        family = family_of(root)
+        if family is None:  # no transformer of any family: refused, never taken for ldm
+            raise _nothing_to_patch(root)
+        self.family = family
         self._has_call_hook = self.family.is_unet(root)
         self._level_plans: dict[int, LocalPlan | StackPlan | None] = {}
         self._stacks_under_way: list[list] = []
