@@ -1,6 +1,6 @@
 """The stack method: whole transformer stacks on merged tokens, against a plain reference written from the method's
 definition, on ldm's and diffusers' own transformer classes; one plan per level and call, plan reuse, batch
-splits, the int32 path, level choice on SDXL's layout, odd grids, operation counts and exact restore."""
+splits, level choice on SDXL's layout, odd grids, operation counts and exact restore (its int32 path: test_core_local)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from torch import nn
 
 import tome_core
 from test_core_behaviour import _SkipResizingTorch
-from test_core_local import DispatchCounter
-from test_core_random_mps_todo import OpRecorder, violations
+from test_core_local import _added_operations
 from unets import CONTEXT_DIM, hook_counts, inputs, run, tiny_unet
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -253,42 +252,15 @@ def test_every_latent_size_works(monkeypatch, h, w):
     assert out.shape == x.shape and torch.isfinite(out).all()
 
 
-def test_int32_path_obeys_mps_rules_and_equals_int64():
-    unet = tiny_unet("sdxl")
-    x, t, c = inputs(batch=2, h=24, w=40)
-    opts = dict(method="stack", ratio=0.5, max_downsample=4)
-    tome_core.apply_patch(unet, index_dtype=torch.int64, **opts)
-    wide = run(unet, x, t, c)
-    tome_core.apply_patch(unet, index_dtype=torch.int32, **opts)
-    run(unet, x, t, c)  # index tables are made on the CPU once per grid, then moved: record a step
-    with OpRecorder() as rec, torch.no_grad():
-        narrow = unet(x, t, context=c)
-    tome_core.remove_patch(unet)
-    assert torch.equal(narrow, wide)
-    names = {f.overloadpacket.__name__.rstrip("_") for f, _, _ in rec.calls}
-    assert {"index_select", "scatter_add", "gather", "argmax", "bmm"} <= names, "the stack plan did not run under the recorder"
-    assert violations(rec.calls) == []
-
-
 def test_operations_added_per_stack_are_few_and_do_not_grow_with_the_image():
     """Merge and restore are a few large operations per stack; the plan, made once per level and call, is
     shared by the level's stacks (this U-Net has 5 at its top level and 3 below it)."""
     unet = tiny_unet("sdxl")
+    stacks = sum(1 for m in unet.modules() if type(m).__name__ == "SpatialTransformer")
     counts = {}
     for side in (16, 32, 48):
         x, t, c = inputs(batch=2, h=side, w=side)
-
-        def count():
-            run(unet, x, t, c)  # tables made once per grid are not what a step costs
-            with DispatchCounter() as counter:
-                run(unet, x, t, c)
-            return counter.count
-
-        plain = count()
-        tome_core.apply_patch(unet, method="stack", ratio=0.5, max_downsample=4)
-        stacks = sum(1 for m in unet.modules() if type(m).__name__ == "SpatialTransformer")
-        counts[side] = count() - plain
-        tome_core.remove_patch(unet)
+        counts[side], _ = _added_operations(unet, x, t, c, method="stack", ratio=0.5, max_downsample=4)
         assert counts[side] / stacks <= 15, (side, counts[side], stacks)
     assert len(set(counts.values())) == 1, counts
 

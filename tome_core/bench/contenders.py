@@ -138,13 +138,12 @@ class IdealPatch:
             x = args[0] if args else kwargs[self.tokens]
             context = args[position] if len(args) > position else kwargs.get(keyword)
             kept.clear()
-            if context is not None or "hw" not in grid:  # attn1 as cross-attention (disable_self_attn)
+            if context is not None:  # attn1 as cross-attention (disable_self_attn)
                 return None
-            h, w = grid["hw"]
+            m = self._kept_of(grid, x)
+            if m is None:
+                return None
             n = x.shape[1]
-            m = self.kept_tokens(h, w)
-            if n != h * w or m == n:
-                return None
             if self.keys_only:  # context None here: by position when the caller passed it so, else by keyword
                 if len(args) > position:
                     return (args[0], x[:, :m]) + tuple(args[2:]), kwargs
@@ -155,18 +154,23 @@ class IdealPatch:
         return hook
 
 
+    def _kept_of(self, grid: dict, x: torch.Tensor) -> int | None:
+        """N − r for the tokens ``x`` (B, N, C) of the recorded grid; None when they are not that grid's, or
+        nothing would merge."""
+        if "hw" not in grid:
+            return None
+        h, w = grid["hw"]
+        m = self.kept_tokens(h, w)
+        return None if x.shape[1] != h * w or m == h * w else m
+
     def _stack_shrinker(self, grid: dict, kept: dict):
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs[self.tokens]
             kept.clear()
-            if "hw" not in grid:
+            m = self._kept_of(grid, x)
+            if m is None:
                 return None
-            h, w = grid["hw"]
-            n = x.shape[1]
-            m = self.kept_tokens(h, w)
-            if n != h * w or m == n:
-                return None
-            kept["n"] = n
+            kept["n"] = x.shape[1]
             x = x[:, :m]
             return ((x,) + tuple(args[1:]), kwargs) if args else (args, dict(kwargs, **{self.tokens: x}))
         return hook
