@@ -110,14 +110,14 @@ def test_side_by_side_has_a_row_per_method_and_the_unmerged_image_first(tmp_path
     case = Case("stand-in", SIZE, entries, fidelity=pictures.fidelity())
     rows = case_rows(case, pictures)
     assert [label for label, _ in rows] == ["ToMe", "ToMe |diff|", "ToDo", "ToDo |diff|", "Local", "Local |diff|",
-                                            "tomesd", "tomesd |diff|"]
+                                            "Stack", "Stack |diff|", "tomesd", "tomesd |diff|"]
     assert all(tiles[0].caption[0] == "no merging" for _, tiles in rows[::2])
-    assert [len(tiles) for _, tiles in rows] == [3, 3, 4, 4, 3, 3, 3, 3]
+    assert [len(tiles) for _, tiles in rows] == [3, 3, 4, 4, 3, 3, 3, 3, 3, 3]
     path = tmp_path / "sheet.png"
     size = write_case_sheet(str(path), case, pictures, "title")
     tile = tile_side(SIZE)
     assert tile >= 160 and tile % SIZE == 0  # small pictures enlarged by a whole factor
-    assert Image.open(path).size == size == sheet_size(8, 4, tile)
+    assert Image.open(path).size == size == sheet_size(10, 4, tile)
 
 
 # -- operations a patched block dispatches --------------------------------------------------------------------------
@@ -185,12 +185,14 @@ def test_the_default_run_reports_every_method_with_speed_and_fidelity(monkeypatc
     methods = [(line.split("|")[3].strip(), line.split("|")[4].strip()) for line in lines]
     assert methods == [("none", "–"), ("ToMe", "0.25"), ("ToMe", "0.50"), ("ToMe", "0.75"), ("ToDo", "f=2"),
                        ("ToDo", "f=3"), ("ToDo", "f=4"), ("Local", "0.25"), ("Local", "0.50"), ("Local", "0.75"),
-                       ("tomesd", "0.25"), ("tomesd", "0.50"),
+                       ("Stack", "0.25"), ("Stack", "0.50"), ("Stack", "0.75"), ("tomesd", "0.25"), ("tomesd", "0.50"),
                        ("tomesd", "0.75"), ("ideal", "0.25"), ("ideal", "0.50"), ("ideal", "0.75"),
-                       ("ideal", "KV 0.25"), ("ideal", "KV 0.50"), ("ideal", "KV 0.75")]
+                       ("ideal", "KV 0.25"), ("ideal", "KV 0.50"), ("ideal", "KV 0.75"),
+                       ("ideal", "S 0.25"), ("ideal", "S 0.50"), ("ideal", "S 0.75")]
     cells = {m: line.strip("|").split("|") for m, line in zip(methods, lines)}
-    assert [c.strip() for c in cells[("none", "–")][4:]] == ["10.0 (0%)", "1.00x", "–", "∞", "1.000", "∞", "0"]
-    for key in [m for m in methods if m[0] in ("ToMe", "ToDo", "Local", "tomesd")]:
+    assert [c.strip() for c in cells[("none", "–")][4:]] == ["10.0 (0%)", "1.00x", "–", "∞", "1.000", "∞", "0", "0",
+                                                             "1.00"]
+    for key in [m for m in methods if m[0] in ("ToMe", "ToDo", "Local", "Stack", "tomesd")]:
         psnr_cell, ssim_cell, step_cell, ops_cell = (c.strip().split()[0] for c in cells[key][7:11])
         assert math.isfinite(float(psnr_cell)) and float(ssim_cell) <= 1 and float(ops_cell) > 0, key
         assert math.isfinite(float(step_cell)), key

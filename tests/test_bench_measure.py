@@ -11,6 +11,7 @@ from tome_core.bench import archs, cli, jobs
 from tome_core import local, stack
 from tome_core.bench.contenders import IdealPatch, Wrapped, roster
 from tome_core.bench.jobs import roster_size
+from tome_core.bench.opcount import Cost
 from tome_core.bench.report import (BUSY_SPREAD, Case, Entry, Fidelity, Load, busy_warning, find_busy, share_of_ideal,
                                     table, table_line)
 from tome_core.bench.timing import Spread, interleaved_rounds, rotated
@@ -211,20 +212,21 @@ def test_table_line_shows_speed_share_fidelity_and_ops_side_by_side():
                 {"none": Fidelity(math.inf, 1.0, math.inf),
                  "ToMe 0.50": Fidelity(31.25, 0.9512, 40.04, (28.96, 33.0), (0.9400, 0.9600), (39.5, 41.0)),
                  "ToDo f=2": Fidelity(35.0, 0.97), "tomesd 0.50": Fidelity(30.0, 0.94)},
-                {"ToMe 0.50": 84.0, "ToDo f=2": 6.0, "tomesd 0.50": 120.0, "ideal 0.50": 7.0})
+                {"ToMe 0.50": Cost(84.0, 168.0, 0.62), "ToDo f=2": Cost(6.0, 12.0, 0.81),
+                 "tomesd 0.50": Cost(120.0, 240.0, None), "ideal 0.50": Cost(7.0, None, 0.55)})
     # speed-ups 1.5, 1.2, 1.25 and 2.0; shares 0.5 / 1.0 and 0.25 / 1.0; ToDo has no ideal to share.
     lines = [table_line(case, e) for e in ENTRIES]
     # Medians with their range beside them; a figure without a range (one draw, or not measured) stands alone.
     assert lines == [
-        "| sd15 | 512 | none | – | 300.0 (0%) | 1.00x | – | ∞ | 1.000 | ∞ | 0 |",
+        "| sd15 | 512 | none | – | 300.0 (0%) | 1.00x | – | ∞ | 1.000 | ∞ | 0 | 0 | 1.00 |",
         "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | 31.2 (29.0–33.0) | 0.951 (0.940–0.960) | "
-        "40.0 (39.5–41.0) | 84 |",
-        "| sd15 | 512 | ToDo | f=2 | 250.0 (0%) | 1.20x | – | 35.0 | 0.970 | – | 6 |",
-        "| sd15 | 512 | tomesd | 0.50 | 240.0 (0%) | 1.25x | 25% | 30.0 | 0.940 | – | 120 |",
-        "| sd15 | 512 | ideal | 0.50 | 150.0 (0%) | 2.00x | – | – | – | – | 7 |"]
+        "40.0 (39.5–41.0) | 84 | 168 | 0.62 |",
+        "| sd15 | 512 | ToDo | f=2 | 250.0 (0%) | 1.20x | – | 35.0 | 0.970 | – | 6 | 12 | 0.81 |",
+        "| sd15 | 512 | tomesd | 0.50 | 240.0 (0%) | 1.25x | 25% | 30.0 | 0.940 | – | 120 | 240 | – |",
+        "| sd15 | 512 | ideal | 0.50 | 150.0 (0%) | 2.00x | – | – | – | – | 7 | – | 0.55 |"]
     no_fidelity = Case("sd15", 512, ENTRIES, case.ms)
     assert table_line(no_fidelity, ENTRIES[1]) == \
-        "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | – | – | – | – |"
+        "| sd15 | 512 | ToMe | 0.50 | 200.0 (0%) | 1.50x | 50% | – | – | – | – | – | – |"
     text = table([case], "Whole U-Net step", "Random weights.")
     assert "over 3 interleaved rounds" in text
     assert "| method | setting | ms | speed-up | share | PSNR dB | SSIM | step dB | ops/block |" in text

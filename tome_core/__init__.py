@@ -1,20 +1,23 @@
-"""Token Merging (ToMe for SD), Token Downsampling (ToDo) and local merging (one plan per level from 2×2
-windows, ``tome_core.local``) for ldm/sgm U-Nets.
+"""Token Merging (ToMe for SD), Token Downsampling (ToDo), local merging (one plan per level from 2×2 windows,
+``tome_core.local``) and stack merging (whole transformer stacks on merged tokens, ``tome_core.stack``) for
+ldm/sgm and diffusers U-Nets.
 
 Pure PyTorch: nothing here imports the webui, gradio, ldm, sgm or diffusers. Public API::
 
     apply_patch(model, ratio=0.5, ...)   # patch in place (again = new settings); returns model
     remove_patch(model)                  # exact restore
-    set_progress(model, 0.3)             # sampling progress, for the step window (and local plan reuse)
+    set_progress(model, 0.3)             # sampling progress, for the step window (and level plan reuse)
 """
 
 from .local import LocalPlan, plan_local
+from .stack import StackPlan, plan_stack
 from .merge import MergePlan, downsample_tokens, plan_merge
 from .options import MergeOptions, effective_ratio, ratio_cap
 from .patch import apply_patch, get_patch, is_patched, remove_patch, resolve_unet, set_progress
 
 __all__ = [
-    "LocalPlan", "MergeOptions", "MergePlan", "apply_patch", "downsample_tokens", "effective_ratio", "get_patch",
-    "is_patched", "plan_local", "plan_merge", "ratio_cap", "remove_patch", "resolve_unet", "set_progress",
+    "LocalPlan", "MergeOptions", "MergePlan", "StackPlan", "apply_patch", "downsample_tokens", "effective_ratio",
+    "get_patch", "is_patched", "plan_local", "plan_merge", "plan_stack", "ratio_cap", "remove_patch", "resolve_unet",
+    "set_progress",
 ]
 __version__ = "1.0.0"
