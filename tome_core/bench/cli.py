@@ -504,8 +504,8 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
     labels = [label for label, _ in pipes]
     pipe = pipes[0][1]
     names = jobs.contender_names(not args.no_tomesd, not args.no_ideal, args.size_weighted, args.methods)
-    racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
-                              "tomesd" in names, "ideal" in names, args.size_weighted)
+    roster = jobs.racers_for(args, 1)  # what this run races (its count for the progress bar)
+    racers = len(roster)
     print(f"# ToMe benchmark: {pipe.name}, {hardware(device)}, {dtype_name(dtype)}, batch {args.batch}, SDP "
           f"attention, use_rand={not args.no_rand}, levels {args.max_downsample or 'auto'}, methods: "
           f"{', '.join(names)}")
@@ -521,7 +521,7 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
     if args.sheet:
         print(f"# writes {os.path.abspath(args.sheet)}: the pictures side by side (--sheet '' for none)")
     _cap_lines(args, cap)
-    sampled = racers - jobs.ideals_per_ratio("ideal" in names) * len(jobs.effective_ratios(args.ratios))
+    sampled = sum(1 for c in roster if c.method != "ideal")  # the ideals are timed, never sampled
     total = len(args.sizes) * ((args.repeats + 1) * racers + 2 * sampled * len(pipes) * args.fidelity)
     setup = Setup(device, dtype, progress_bar(total, not args.quiet))
     cases, pictures, per_size = [], [], []
@@ -619,8 +619,8 @@ def run_architectures(args: argparse.Namespace, device: torch.device, dtype: tor
           f"{stack_levels_note(args)}, methods: {', '.join(names)}; random weights: speed only")
     print(command)
     _cap_lines(args, cap)
-    racers = jobs.roster_size(len(jobs.effective_ratios(args.ratios)), len(args.todo_factors),
-                              "tomesd" in names, "ideal" in names, args.size_weighted)
+    roster = jobs.racers_for(args, 1)  # what this run races (its count for the progress bar)
+    racers = len(roster)
     per_case = len(args.models) * len(args.sizes) * racers
     total = per_case * ((args.repeats + 1) * ("unet" not in args.skip)
                         + (max(args.repeats, CHEAP_ROUNDS) + 1) * ("block" not in args.skip))
