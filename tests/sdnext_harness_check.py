@@ -106,7 +106,7 @@ def describe(r: dict) -> str:
 
 
 def check_basics(s: Server) -> tuple[dict, dict]:
-    """Plain, ToMe 0.5 (the same twice, the same positional, plain again after it), ToDo, Local, the step window
+    """Plain, ToMe 0.5 (the same twice, the same positional, plain again after it), ToDo, Local, Stack, the step window
     and a bad ratio (one console line, plain pixels); returns the plain and the ToMe 0.5 results."""
     plain = s.generate()
     check("plain", plain["status"] == 200 and plain["keys"] == {}, describe(plain))
@@ -122,7 +122,7 @@ def check_basics(s: Server) -> tuple[dict, dict]:
     unweighted = s.generate(tome=[{"enabled": True, "ratio": 0.5, "size_weighted_keys": False}])
     check("ToMe 0.5, size-weighted keys off: other pixels, no key", unweighted["md5"] not in
           (None, plain["md5"], tome["md5"]) and unweighted["keys"] == {"ToMe ratio": "0.5"}, describe(unweighted))
-    for method in ("ToDo", "Local"):
+    for method in ("ToDo", "Local", "Stack"):
         r = s.generate(tome=[{"enabled": True, "ratio": 0.5, "method": method}])
         check(f"{method}", r["md5"] not in (None, plain["md5"], tome["md5"]) and r["lines"] == []
               and r["keys"] == {"ToMe ratio": "0.5", "ToMe method": method}, describe(r))

@@ -1,6 +1,7 @@
 """The stack method: whole transformer stacks on merged tokens, against a plain reference written from the method's
 definition, on ldm's and diffusers' own transformer classes; one plan per level and call, plan reuse, batch
-splits, level choice on SDXL's layout, odd grids, operation counts and exact restore (its int32 path: test_core_local)."""
+splits, level choice on SDXL's layout, odd grids, operation counts and exact restore (its int32 path:
+test_core_local)."""
 
 from __future__ import annotations
 

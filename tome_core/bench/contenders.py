@@ -125,7 +125,8 @@ class IdealPatch:
         n = h * w
         cells = (h // self.sy) * (w // self.sx)
         cell = self.sx * self.sy
-        if self.keys_only or self.whole_stacks:  # Local's and Stack's count: merges in whole cells only (odd grids' edge tokens never merge)
+        if self.keys_only or self.whole_stacks:
+            # Local's and Stack's count: merges in whole cells only (odd grids' edge tokens never merge)
             r = min(int(cell * cells * self.ratio), (cell - 1) * cells)
         else:  # ToMe's: int(N·ratio), capped at one destination per whole cell
             r = min(int(n * self.ratio), n - cells)
@@ -194,8 +195,8 @@ def _repeater(kept: dict):
 
 
 SAME_LEVELS = object()  # a roster's Stack at the levels of the other methods
-SIZE_WEIGHTED = "+sw"
-MERGE_MLP = "+mlp"  # what the tables add to ToMe's name when its MLP merges too  # what the tables add to a method's name when its keys are size-weighted
+SIZE_WEIGHTED = "+sw"  # what the tables add to a method's name when its keys are size-weighted
+MERGE_MLP = "+mlp"  # what the tables add to ToMe's name when its MLP merges too
 
 
 def setting_name(method: str, setting: str) -> str:
@@ -210,8 +211,9 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
            stack_max_downsample: int | None | object = SAME_LEVELS, with_merge_mlp: bool = False
            ) -> list[Contender]:
     """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; Local at
-    each ratio; Stack at each ratio (with ``with_stack``); with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio (``size_weighted_keys``:
-    a key that stands for k tokens adds log k to its attention logit); tomesd at each ratio (when installed and
+    each ratio; Stack at each ratio (with ``with_stack``); with ``with_merge_mlp``, "ToMe +mlp" (its MLP merged
+    too) at each ratio; with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio
+    (``size_weighted_keys``: a key that stands for k tokens adds log k to its attention logit); tomesd at each ratio (when installed and
     wanted, with the same options); the ideal at each ratio, (with Local) the keys-and-values ideal at each
     ratio and (with Stack) the whole-stack ideal at each ratio.
 
