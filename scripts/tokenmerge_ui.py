@@ -8,7 +8,8 @@ both tabs; img2img ignores the two hires values)::
 
 (calls with fewer values, made before the last ones existed, keep working: the missing ones take their
 defaults). ``method`` is "ToMe", "ToDo", "Local" or "Stack". ``size_weighted_keys`` is "Auto" (or null: on
-for ToMe, off for Local and Stack), "On"/true or "Off"/false; until it became "Auto" its default was off, so a call that leaves it out now gets it on with ToMe.
+for ToMe, off for Local and Stack), "On"/true or "Off"/false; until it became "Auto" its default was off, so a
+call that leaves it out now gets it on with ToMe.
 
 or ``{"args": [{"enabled": true, "ratio": 0.4, ...}]}``: one dict with any of those keys, the rest at their
 defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
