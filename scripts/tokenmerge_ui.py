@@ -239,7 +239,7 @@ def claim_extension(here: str = EXTENSION_DIR) -> str | None:
     first when that is another one (the extension is installed twice: a clone and an "Install from URL"), else
     None. Two copies would each patch every job, and their patches would undo each other's."""
     owner = getattr(shared, CLAIM_ATTRIBUTE, None)
-    if owner is not None and os.path.realpath(owner) != os.path.realpath(here):
+    if owner is not None and owner != here:
         return owner
     setattr(shared, CLAIM_ATTRIBUTE, here)
     return None
