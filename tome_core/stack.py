@@ -147,8 +147,8 @@ def _stack_layout(batch: int, h: int, w: int, ratio: float, device: torch.device
     if cpu["edge_rows"] is not None:
         token_order[cpu["edge_rows"]] = torch.arange(bw * 4, slots)
 
-    def put(t: torch.Tensor | None, dtype: torch.dtype = idt) -> torch.Tensor | None:
-        return None if t is None else t.to(device=device, dtype=dtype)
+    def put(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=device, dtype=idt)
 
     fixed = None
     if cpu["fixed_keep"] is not None:
