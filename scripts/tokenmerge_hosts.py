@@ -2,12 +2,14 @@
 
 - **AUTOMATIC1111 webui** (v1.10.x): ``shared.sd_model`` is an ldm/sgm model; its U-Net is
   ``sd_model.model.diffusion_model``. An ``sd_unet`` alternative (TensorRT) can run instead of its blocks.
-- **Forge** (f2.x): ``shared.sd_model`` is a ``backend.diffusion_engine`` object with no ``.model``; its
-  U-Net is ``sd_model.forge_objects.unet.model.diffusion_model`` (a ``backend.nn.unet`` U-Net behind a
+- **Forge** (f2.x) and **Forge Neo** (its maintained line, gradio 4.40): ``shared.sd_model`` is a
+  ``backend.diffusion_engine`` object with no ``.model``; its U-Net is
+  ``sd_model.forge_objects.unet.model.diffusion_model`` (a ``backend.nn.unet`` U-Net behind a
   ``UnetPatcher``). Forge rebuilds ``forge_objects`` from a clean copy for every sampling pass, but every
   copy shares the one U-Net module tree, so forward hooks on it (ours) stay until removed and compose with
   the patcher's own patch points (FreeU, HRFix, PAG, SAG, LoRA): those run inside the blocks we hook, and
-  our attention hooks merge whatever key/value source Forge's patches hand to attention.
+  our attention hooks merge whatever key/value source Forge's patches hand to attention. Their built-in token
+  merging (``backend.misc.tomesd``, an attn1 patch) reads the A1111 webui's settings.
 
 - **reForge and Forge Classic** (the "old Forge" backend, gradio 3.41): ``shared.sd_model`` is an ldm
   ``LatentDiffusion`` shell that also carries ``forge_objects``; ``sd_model.model.diffusion_model`` and
@@ -17,7 +19,7 @@
   projections itself, so no hook on attn1 runs there: that block is computed whole (the engine counts it).
 
 Everything else the extension uses (Script hooks, the built-in token-merging settings, infotext, X/Y/Z
-plot, the API) is the same in those. This file holds no state: the webui also loads it as a script module.
+plot, the API) is the same in those.
 
 - **SD.Next** (vladmandic/sdnext): ``shared.sd_model`` is a diffusers pipeline; its U-Net is
   ``sd_model.unet`` (a diffusers ``UNet2DConditionModel``), called once per scheduler timestep with the CFG
@@ -28,7 +30,12 @@ plot, the API) is the same in those. This file holds no state: the webui also lo
   its built-in token merging (settings ``token_merging_method`` "None" / "ToMe" / "ToDo", ``tome_ratio``,
   ``todo_ratio``, read from the settings only) and HiDiffusion's reset, which turns every module that has
   a ``_parent`` attribute back into that class (forward hooks, ours, are untouched). Its infotext reserves
-  the keys ``ToMe`` and ``ToDo``.
+  the keys ``ToMe`` and ``ToDo``. Its page has ``InputAccordion`` (``modules.ui_components``, marked unused)
+  but not the page script that turns its value on and off, and its paste takes a plain value for a field
+  name and calls ``.lower()`` on a function.
+
+Each webui is an entry of ``HOSTS`` (a ``Host``): adding one is adding an entry. This file holds no state:
+the webui also loads it as a script module.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any
 from torch import nn
 
 from modules import sd_unet
+from tome_core.families import family_of
 
 
 # Where the A1111 webui's built-in Hypertile (extensions-builtin/hypertile) keeps a layer's settings: it wraps
@@ -66,10 +74,30 @@ def restore_hypertile(turned_off: list[Any]) -> None:
 
 
 class Host:
-    """A webui's layout of ``shared.sd_model``."""
+    """A webui: where its ``shared.sd_model`` keeps the U-Net, and what it does differently for the extension.
+
+    Attributes:
+        name: the webui's name, for console lines.
+        unet_modules: modules whose U-Net classes ToMe knows here.
+        calls_pass_hooks: the webui calls ``process_before_every_sampling`` before each sampling pass (base
+            and hires fix); where it does not, the extension follows the passes from the U-Net's own calls
+            (``scripts/tokenmerge_passes.py``) through ``is_hires_pass`` and ``pass_length``.
+        links_input_accordion: the page script turns an ``InputAccordion``'s value on and off with it.
+        paste_takes_updates: a paste field's function must return a gradio update, not a plain value.
+        skips_postprocess_on_failure: a job whose sampling failed gets no ``postprocess`` call; the webui's
+            ``script_callbacks.on_after_process`` runs after every job instead.
+    """
 
     name = ""
-    unet_modules: tuple[str, ...] = ()  # modules whose U-Net classes ToMe knows
+    unet_modules: tuple[str, ...] = ()
+    calls_pass_hooks = True
+    links_input_accordion = True
+    paste_takes_updates = False
+    skips_postprocess_on_failure = False
+
+    def recognises(self, model: Any) -> bool:
+        """Whether this process is this webui, given its current model (None before one is loaded)."""
+        raise NotImplementedError
 
     def unet(self, model: Any) -> nn.Module | None:
         """The model's U-Net module tree, or None when the model has none where this host keeps it."""
@@ -89,26 +117,80 @@ class Host:
         module = type(unet).__module__
         if not any(module == known or module.startswith(known + ".") for known in self.unet_modules):
             denoiser = f"{type(model).__name__}'s denoiser ({module}.{type(unet).__name__})"
-            if not any(type(m).__name__ == "SpatialTransformer" for m in unet.modules()):
+            if family_of(unet) is None:
                 return (f"{denoiser} is not a U-Net with transformer blocks (Flux, SD3 and other "
                         f"transformer-only models have none to merge)")
             return (f"{denoiser} is a U-Net class ToMe does not know in {self.name} (known: "
                     f"{', '.join(self.unet_modules)}), so it is left unpatched")
         return None
 
+    def take_over_token_merging(self, p: Any, opts: Any) -> list[str]:
+        """Turn the webui's own token merging off for job ``p``, so that it never stacks with ToMe; what to
+        tell the user (console lines, none when it was off)."""
+        return []
+
+    def is_hires_pass(self, p: Any) -> bool:
+        """Where ``calls_pass_hooks`` is False: whether the pass under way is the hires-fix pass."""
+        return bool(getattr(p, "is_hr_pass", False))
+
+    def pass_length(self, model: Any) -> int | None:
+        """Where ``calls_pass_hooks`` is False: U-Net calls of the pass under way, or None when unknown."""
+        return None
+
 
 class A1111(Host):
     name = "the AUTOMATIC1111 webui"
     unet_modules = ("ldm", "sgm")
+    # The built-in token merging: its settings, and the processing object's attributes the webui copies
+    # them into before sampling.
+    builtin_ratio_settings = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
+    builtin_ratio_attributes = ("token_merging_ratio", "token_merging_ratio_hr")
+
+    def recognises(self, model: Any) -> bool:
+        return True  # the webui the others are variants of: whatever no other entry claims
 
     def unet(self, model: Any) -> nn.Module | None:
         unet = getattr(getattr(model, "model", None), "diffusion_model", None)
         return unet if isinstance(unet, nn.Module) else None
 
+    def take_over_token_merging(self, p: Any, opts: Any) -> list[str]:
+        """Zero the built-in ratios through override_settings, which the webui applies after
+        ``before_process`` and restores afterwards, and the ratios already copied onto ``p``."""
+        notes = []
+        overrides = dict(getattr(p, "override_settings", None) or {})
+        active = {key: overrides.get(key, getattr(opts, key, 0.0)) for key in self.builtin_ratio_settings}
+        active = {key: value for key, value in active.items() if value}
+        for attribute in self.builtin_ratio_attributes:
+            if getattr(p, attribute, 0):
+                active[f"p.{attribute}"] = getattr(p, attribute)
+                setattr(p, attribute, 0)
+        if active:
+            listed = ", ".join(f"{key}={value}" for key, value in active.items())
+            notes.append(f"the webui's built-in token merging ({listed}) is off for this job; the ToMe accordion "
+                         f"applies")
+        if getattr(p, "override_settings_restore_afterwards", True):
+            zeroed = self.builtin_ratio_settings
+        else:
+            # This request keeps its setting changes: zero only what is on, so that no setting changes
+            # needlessly, and say that those stay at 0.
+            zeroed = tuple(key for key in self.builtin_ratio_settings if key in active)
+            if zeroed:
+                notes.append(f"override_settings_restore_afterwards is off for this request, so "
+                             f"{', '.join(zeroed)} stay 0 after it")
+        # A new dict: XYZ plot cells share the old one.
+        p.override_settings = {**overrides, **{key: 0.0 for key in zeroed}}
+        return notes
 
-class Forge(Host):
+
+class Forge(A1111):
+    """Forge and Forge Neo: the U-Net behind ``forge_objects``, from ``backend.nn.unet``; the built-in token
+    merging as in the A1111 webui (the same settings, applied by ``backend.misc.tomesd``)."""
+
     name = "Forge"
     unet_modules = ("backend.nn.unet",)
+
+    def recognises(self, model: Any) -> bool:
+        return hasattr(model, "forge_objects")
 
     def unet(self, model: Any) -> nn.Module | None:
         patcher = getattr(getattr(model, "forge_objects", None), "unet", None)
@@ -117,18 +199,31 @@ class Forge(Host):
 
 
 class ForgeClassicFamily(Forge):
-    """reForge and Forge Classic: the U-Net behind ``forge_objects`` as in Forge, from ``ldm_patched``."""
+    """reForge and Forge Classic: the U-Net behind ``forge_objects`` as in Forge, from ``ldm_patched`` (and
+    their model is also an ldm ``LatentDiffusion``)."""
 
     name = "reForge / Forge Classic"
     unet_modules = ("ldm_patched.ldm",)
+
+    def recognises(self, model: Any) -> bool:
+        unet = super().unet(model) if super().recognises(model) else None
+        return unet is not None and type(unet).__module__.startswith("ldm_patched.")
 
 
 class SDNext(Host):
     name = "SD.Next"
     unet_modules = ("diffusers",)
+    calls_pass_hooks = False
+    links_input_accordion = False
+    paste_takes_updates = True
+    skips_postprocess_on_failure = True
     # SD.Next's own token merging: the method setting, and the ratio setting each method reads.
     builtin_method_setting = "token_merging_method"
     builtin_ratio_settings = {"ToMe": "tome_ratio", "ToDo": "todo_ratio"}
+
+    def recognises(self, model: Any) -> bool:
+        # The webui whose ``modules.scripts`` re-exports ``modules.scripts_manager``.
+        return "modules.scripts_manager" in sys.modules
 
     def unet(self, model: Any) -> nn.Module | None:
         for owner in (model, getattr(model, "pipe", None)):  # SD.Next wraps some pipelines in ``.pipe``
@@ -152,12 +247,9 @@ class SDNext(Host):
                     f"(ONNX, OpenVINO or a quantised replacement), so it is left unpatched")
         return None
 
-    def is_hires_pass(self, p: Any) -> bool:
-        return bool(getattr(p, "is_hr_pass", False))
-
     def pass_length(self, model: Any) -> int | None:
-        """U-Net calls of the pass under way: the running pipeline's ``num_timesteps`` (one call per scheduler
-        timestep, set before its loop), or None when the pipeline does not tell."""
+        """The running pipeline's ``num_timesteps`` (one U-Net call per scheduler timestep, set before its
+        loop), or None when the pipeline does not tell."""
         for owner in (model, getattr(model, "pipe", None)):
             total = getattr(owner, "_num_timesteps", None)
             if isinstance(total, int) and not isinstance(total, bool) and total > 0:
@@ -178,44 +270,39 @@ class SDNext(Host):
             return {}
         return {self.builtin_method_setting: method, ratio_key: value(ratio_key)}
 
+    def take_over_token_merging(self, p: Any, opts: Any) -> list[str]:
+        """The ratio setting of the active method at 0, through override_settings, which SD.Next applies
+        after ``before_process`` and restores after the request (its X/Y/Z grid, whose cells keep their
+        settings, restores the ratios after the grid). The request's own ``token_merging_method`` /
+        ``tome_ratio`` / ``todo_ratio`` fields only reach SD.Next's infotext (its patch reads the settings
+        alone): they are cleared, so that no ``ToMe``/``ToDo`` entry claims a merge."""
+        notes = []
+        active = self.active_builtin_token_merging(p, opts)
+        fields = (self.builtin_method_setting, *self.builtin_ratio_settings.values())
+        requested = {key: getattr(p, key) for key in fields if getattr(p, key, None) is not None}
+        for key in requested:
+            setattr(p, key, None)
+        if active or requested:
+            listed = ", ".join(f"{key}={value}" for key, value in {**active, **requested}.items())
+            notes.append(f"SD.Next's built-in token merging ({listed}) is off for this job; the ToMe accordion "
+                         f"applies")
+        if not active:
+            return notes
+        ratio_key = self.builtin_ratio_settings[active[self.builtin_method_setting]]
+        if not getattr(p, "override_settings_restore_afterwards", True) and not getattr(p, "xyz", False):
+            notes.append(f"override_settings_restore_afterwards is off for this request, so {ratio_key} stays 0 "
+                         f"after it")
+        # A new dict: X/Y/Z grid cells may share the old one.
+        p.override_settings = {**(getattr(p, "override_settings", None) or {}), ratio_key: 0.0}
+        return notes
 
-A1111_HOST, FORGE_HOST, FORGE_CLASSIC_HOST, SDNEXT_HOST = A1111(), Forge(), ForgeClassicFamily(), SDNext()
 
-
-def page_links_input_accordion() -> bool:
-    """Whether the webui's page script turns an ``InputAccordion``'s value on and off with the accordion
-    (A1111 and the Forge family). SD.Next has the class (``modules.ui_components``, marked unused) but not the
-    page script, so there its value would never change; SD.Next is the webui whose ``modules.scripts``
-    re-exports ``modules.scripts_manager``."""
-    return "modules.scripts_manager" not in sys.modules
-
-
-def paste_needs_updates() -> bool:
-    """Whether a paste field's function must return a gradio update rather than a plain value: SD.Next's
-    paste (``generation_parameters_copypaste.paste_func``) takes a plain value for a field name and calls
-    ``.lower()`` on the function, which fails the whole paste."""
-    return not page_links_input_accordion()
-
-
-def is_diffusers_pipeline(model: Any) -> bool:
-    """A diffusers pipeline (SD.Next's ``shared.sd_model``): a ``DiffusionPipeline`` subclass, or an object
-    with a ``.unet`` or ``.transformer`` module and no ldm ``.model``."""
-    if any(cls.__name__ == "DiffusionPipeline" for cls in type(model).__mro__):
-        return True
-    if hasattr(model, "model") or hasattr(model, "forge_objects"):
-        return False
-    return any(isinstance(getattr(model, name, None), nn.Module) for name in ("unet", "transformer"))
+# Most specific first: the first that recognises the process is its host.
+HOSTS: tuple[Host, ...] = (SDNext(), ForgeClassicFamily(), Forge(), A1111())
 
 
 def host_of(model: Any) -> Host:
-    """The host whose layout ``model`` has: Forge's models carry ``forge_objects``; of those, reForge's and
-    Forge Classic's U-Net comes from ``ldm_patched`` (and their model is also an ldm ``LatentDiffusion``);
-    SD.Next's is a diffusers pipeline."""
-    if is_diffusers_pipeline(model):
-        return SDNEXT_HOST
-    if not hasattr(model, "forge_objects"):
-        return A1111_HOST
-    unet = FORGE_HOST.unet(model)
-    if unet is not None and type(unet).__module__.startswith("ldm_patched."):
-        return FORGE_CLASSIC_HOST
-    return FORGE_HOST
+    """The webui this process runs, given its current model (``shared.sd_model``), or None where no model is
+    at hand (the page, the callbacks): then the host is known as far as the webui's modules tell, and its page
+    facts are those of every host told apart only by the model (the A1111 webui and the Forge family)."""
+    return next(host for host in HOSTS if host.recognises(model))

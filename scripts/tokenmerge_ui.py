@@ -31,12 +31,11 @@ from modules import script_callbacks, scripts, shared
 from modules.ui_components import InputAccordion
 
 import tome_core
-from scripts.tokenmerge_hosts import (SDNEXT_HOST, host_of, page_links_input_accordion, paste_needs_updates,
-                                      restore_hypertile, set_aside_hypertile)
+from scripts.tokenmerge_hosts import Host, host_of, restore_hypertile, set_aside_hypertile
+from scripts.tokenmerge_passes import UnetCallPasses
 from tome_core import settings as tm
 
 LOG_PREFIX = "[ToMe]"
-BUILTIN_RATIO_SETTINGS = ("token_merging_ratio", "token_merging_ratio_hr", "token_merging_ratio_img2img")
 # The advanced panel, row by row.
 ADVANCED_ROWS = (("method", "max_downsample"), ("sx", "sy"), ("use_rand", "merge_crossattn", "merge_mlp"),
                  ("todo_factor", "todo_pool"), ("local_replan", "size_weighted_keys"), ("step_start", "step_end"))
@@ -53,7 +52,7 @@ PASS_ATTRIBUTE = "tokenmerge_pass"
 _patched_unets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Hypertile layer settings turned off while ToMe merges those layers.
 _hypertile_set_aside: list = []
-# SD.Next: the hooks that follow the U-Net's calls through the batch's passes (``DiffusersPasses``).
+# Where the host calls no hook per pass: the hooks that follow the U-Net's calls (``UnetCallPasses``).
 _pass_watches: list = []
 # Of the patches removed since the job began: attention calls that ran unmerged because another extension
 # handed them other rows or tokens than the plan's, and block calls whose plan no attention call used.
@@ -74,7 +73,7 @@ def remove_all_patches() -> None:
 
 
 def end_job() -> None:
-    """Everything this module added for a job removed: the patches and SD.Next's pass watches."""
+    """Everything this module added for a job removed: the patches and the pass watches."""
     while _pass_watches:
         _pass_watches.pop().remove()
     remove_all_patches()
@@ -91,6 +90,17 @@ def report_foreign_calls(p: Any) -> None:
     elif unmerged:
         note_once(p, f"{unmerged} extra self-attention calls by another extension (on a part of the batch or "
                      f"on tiled tokens) ran exact attention; the ordinary calls were merged")
+
+
+def current_host() -> Host:
+    """The webui this runs in, with the job's model (see ``tokenmerge_hosts.host_of``)."""
+    return host_of(shared.sd_model)
+
+
+def page_host() -> Host:
+    """The webui this runs in, for what its page and callbacks do: known without the model, which the
+    A1111 webui's ``shared.sd_model`` would load when read while the UI is built."""
+    return host_of(None)
 
 
 def current_unet() -> tuple[nn.Module | None, str | None]:
@@ -150,8 +160,8 @@ class SamplingPass:
             self.engine_refused = True
             return f"not applied: {error}; generating without ToMe"
         _patched_unets[unet] = self.options
-        patch = tome_core.get_patch(unet)
-        turned_off = set_aside_hypertile([rec.module.attn1 for rec in patch.selected if rec.self_attention])
+        turned_off = set_aside_hypertile([block.self_attention for block in tome_core.patched_blocks(unet)
+                                          if block.self_attention is not None])
         if turned_off:
             _hypertile_set_aside.extend(turned_off)
             self.hypertile_set_aside = len(turned_off)
@@ -165,68 +175,6 @@ class SamplingPass:
         if refusal:
             note_once(p, f"the refiner's steps run without ToMe ({refusal})")
             p.extra_generation_params = {**p.extra_generation_params, tm.REFINER_INFOTEXT: "unmerged"}
-
-
-class DiffusersPasses:
-    """SD.Next: ToMe through the passes of one batch, driven by the U-Net's own calls. SD.Next calls no Script
-    hook per sampling pass and none between the base and the hires pass (both run on this U-Net), so hooks
-    on the U-Net count its calls: each is one scheduler timestep of the running pipeline, which gives the
-    step window its progress, and the last call of the base pass is where the hires pass's patch goes on
-    (another ratio, or the first patch with "Hires fix only"). A patch changes only between U-Net calls,
-    never inside one. Should a pass begin that was not foreseen (``p.is_hr_pass`` changed, the pipeline
-    did not tell its length), its patch goes on after its first call."""
-
-    def __init__(self, script: "TokenMergeScript", p: Any, args: tuple, unet: nn.Module) -> None:
-        self.script, self.p, self.args, self.unet = script, p, args, unet
-        self.hires = False
-        self.calls = 0  # U-Net calls so far in the pass
-        self.total: int | None = None  # U-Net calls the pass makes
-        self.pending = False
-        self.handles = [unet.register_forward_pre_hook(self._before_call, with_kwargs=True, prepend=True),
-                        unet.register_forward_hook(self._after_call)]
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def start_pass(self, hires: bool) -> None:
-        self.hires, self.calls = hires, 0
-        self.script.patch_pass(self.p, self.args, hires, keep_same=True)
-
-    def _guarded(self, step: Any) -> None:
-        """Run ``step``; should it raise, the job goes on without ToMe (one console line)."""
-        try:
-            step()
-        except Exception as error:
-            self.remove()
-            remove_all_patches()
-            note_once(self.p, f"stopped following SD.Next's passes ({error!r}); generating without ToMe")
-
-    def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._guarded(self._track_call)
-
-    def _after_call(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._guarded(self._count_call)
-
-    def _track_call(self) -> None:
-        hires = SDNEXT_HOST.is_hires_pass(self.p)
-        if hires != self.hires:
-            self.hires, self.calls, self.pending = hires, 0, True
-        self.total = SDNEXT_HOST.pass_length(shared.sd_model)
-        progress = tm.evaluation_progress(self.calls, self.total)
-        for unet in list(_patched_unets.keys()):
-            tome_core.set_progress(unet, progress)
-
-    def _count_call(self) -> None:
-        self.calls += 1
-        if self.pending:
-            self.pending = False
-            self.start_pass(self.hires)
-            self.calls = 1  # this call was the pass's first
-        elif (not self.hires and self.total is not None and self.calls >= self.total
-              and getattr(self.p, "enable_hr", False) and not self.script.is_img2img):
-            self.start_pass(True)  # the base pass's last call: the hires pass comes next
 
 
 EXTENSION_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -282,7 +230,7 @@ class TokenMergeScript(scripts.Script):
     def ui(self, is_img2img: bool) -> list[gr.components.Component]:
         defaults = tm.DISABLED
         c: dict[str, gr.components.Component] = {}
-        linked = page_links_input_accordion()
+        linked = page_host().links_input_accordion
         if linked:
             accordion = InputAccordion(defaults.enabled, label=tm.PARAM["enabled"].label,
                                        elem_id=self.elem_id("enabled"))
@@ -318,7 +266,7 @@ class TokenMergeScript(scripts.Script):
                              queue=False)
 
         shown = [key for key in tm.KEYS if not (is_img2img and tm.PARAM[key].txt2img_only)]
-        pasted = _pasted_update if paste_needs_updates() else tm.pasted_value
+        pasted = _pasted_update if page_host().paste_takes_updates else tm.pasted_value
         self.infotext_fields = [(c[key], partial(pasted, key)) for key in shown]
         self.paste_field_names = [tm.PARAM[key].infotext for key in shown if tm.PARAM[key].infotext]
         return [c[key] for key in tm.KEYS]
@@ -349,10 +297,9 @@ class TokenMergeScript(scripts.Script):
             # Say why now, and leave the webui's own token merging as the user set it: turning it off for a job
             # that then skips ToMe would leave the user with no merging at all.
             note_once(p, f"skipped: {reason}")
-        elif settings.enabled and host_of(shared.sd_model) is SDNEXT_HOST:
-            take_over_sdnext_token_merging(p)
         elif settings.enabled:
-            take_over_builtin_token_merging(p)
+            for note in current_host().take_over_token_merging(p, shared.opts):
+                note_once(p, note)
 
     def process_batch(self, p: Any, *args: Any, **kwargs: Any) -> None:
         settings = self.job_settings(p, args)
@@ -364,11 +311,16 @@ class TokenMergeScript(scripts.Script):
             note_once(p, "'Hires fix only' is on but this job has no hires fix pass: nothing is merged")
             settings = tm.DISABLED
         p.extra_generation_params = {**without_own_infotext(p.extra_generation_params), **settings.to_infotext()}
-        if host_of(shared.sd_model) is SDNEXT_HOST:
-            # SD.Next calls no hook per sampling pass: patch now, and follow the passes from the U-Net's calls.
+        host = current_host()
+        if not host.calls_pass_hooks:
+            # No hook per sampling pass: patch now, and follow the passes from the U-Net's calls.
             end_job()
             if settings.enabled:
-                _pass_watches.append(DiffusersPasses(self, p, args, current_unet()[0]))
+                _pass_watches.append(UnetCallPasses(
+                    host, p, current_unet()[0], model=lambda: shared.sd_model,
+                    start_pass=lambda hires: self.patch_pass(p, args, hires, keep_same=True),
+                    report_progress=_report_progress, give_up=partial(_stop_following, p),
+                    hires_follows=bool(getattr(p, "enable_hr", False)) and not self.is_img2img))
                 _pass_watches[-1].start_pass(False)
 
     def process_before_every_sampling(self, p: Any, *args: Any, **kwargs: Any) -> None:
@@ -377,7 +329,7 @@ class TokenMergeScript(scripts.Script):
     def patch_pass(self, p: Any, args: tuple, hires: bool, *, keep_same: bool = False) -> None:
         """Patch the current model for one sampling pass (the first, or the hires-fix pass), or leave it
         unpatched when ToMe does not apply to that pass. ``keep_same``: a patch with this pass's options
-        stays as it is (SD.Next, whose passes no other extension's hook separates)."""
+        stays as it is (a host followed by ``UnetCallPasses``, whose passes no other hook separates)."""
         settings = self.job_settings(p, args)
         if not settings.applies_to_pass(hires):
             setattr(p, PASS_ATTRIBUTE, None)
@@ -415,55 +367,16 @@ def without_own_infotext(params: dict) -> dict:
     return {key: value for key, value in params.items() if key not in OWN_INFOTEXT_KEYS}
 
 
-def take_over_builtin_token_merging(p: Any) -> None:
-    """Zero the webui's own token merging for this job, so the two never stack: through override_settings,
-    which the webui applies after ``before_process`` and restores afterwards."""
-    overrides = dict(getattr(p, "override_settings", None) or {})
-    active = {key: overrides.get(key, getattr(shared.opts, key, 0.0)) for key in BUILTIN_RATIO_SETTINGS}
-    active = {key: value for key, value in active.items() if value}
-    for attribute in ("token_merging_ratio", "token_merging_ratio_hr"):
-        if getattr(p, attribute, 0):
-            active[f"p.{attribute}"] = getattr(p, attribute)
-            setattr(p, attribute, 0)
-    if active:
-        listed = ", ".join(f"{key}={value}" for key, value in active.items())
-        note_once(p, f"the webui's built-in token merging ({listed}) is off for this job; the ToMe accordion applies")
-    if getattr(p, "override_settings_restore_afterwards", True):
-        zeroed = BUILTIN_RATIO_SETTINGS
-    else:
-        # This request keeps its setting changes: zero only what is on, so that no setting changes needlessly,
-        # and say that those stay at 0.
-        zeroed = tuple(key for key in BUILTIN_RATIO_SETTINGS if key in active)
-        if zeroed:
-            note_once(p, f"override_settings_restore_afterwards is off for this request, so {', '.join(zeroed)} "
-                         f"stay 0 after it")
-    # A new dict: XYZ plot cells share the old one.
-    p.override_settings = {**overrides, **{key: 0.0 for key in zeroed}}
+def _report_progress(calls: int, total: int | None) -> None:
+    """A U-Net call's progress in its pass, for the step window of every patch."""
+    progress = tm.evaluation_progress(calls, total)
+    for unet in list(_patched_unets.keys()):
+        tome_core.set_progress(unet, progress)
 
 
-def take_over_sdnext_token_merging(p: Any) -> None:
-    """SD.Next's own token merging off for this job: the ratio setting of its active method at 0, through
-    override_settings, which SD.Next applies after ``before_process`` and restores after the request (its
-    X/Y/Z grid, whose cells keep their settings, restores the ratios after the grid). The request's own
-    ``token_merging_method`` / ``tome_ratio`` / ``todo_ratio`` fields only reach SD.Next's infotext (its
-    patch reads the settings alone): they are cleared, so that no ``ToMe``/``ToDo`` entry claims a merge."""
-    host = SDNEXT_HOST
-    active = host.active_builtin_token_merging(p, shared.opts)
-    requested = {key: getattr(p, key) for key in (host.builtin_method_setting, *host.builtin_ratio_settings.values())
-                 if getattr(p, key, None) is not None}
-    for key in requested:
-        setattr(p, key, None)
-    if active or requested:
-        listed = ", ".join(f"{key}={value}" for key, value in {**active, **requested}.items())
-        note_once(p, f"SD.Next's built-in token merging ({listed}) is off for this job; the ToMe accordion applies")
-    if not active:
-        return
-    ratio_key = host.builtin_ratio_settings[active[host.builtin_method_setting]]
-    if not getattr(p, "override_settings_restore_afterwards", True) and not getattr(p, "xyz", False):
-        note_once(p, f"override_settings_restore_afterwards is off for this request, so {ratio_key} stays 0 "
-                     f"after it")
-    # A new dict: X/Y/Z grid cells may share the old one.
-    p.override_settings = {**(getattr(p, "override_settings", None) or {}), ratio_key: 0.0}
+def _stop_following(p: Any, error: Exception) -> None:
+    remove_all_patches()
+    note_once(p, f"stopped following the sampling passes ({error!r}); generating without ToMe")
 
 
 def _pasted_update(key: str, params: dict) -> Any:
@@ -516,10 +429,9 @@ def _register_callbacks() -> None:
     script_callbacks.on_script_unloaded(end_job)
     script_callbacks.on_script_unloaded(_release_claim)
     script_callbacks.on_infotext_pasted(_on_infotext_pasted)
-    # SD.Next: runs after every job, also one whose sampling failed (its postprocess hooks are skipped then).
-    on_after_process = getattr(script_callbacks, "on_after_process", None)
-    if on_after_process is not None:
-        on_after_process(_after_process)
+    if page_host().skips_postprocess_on_failure:
+        # Runs after every job, also one whose sampling failed.
+        script_callbacks.on_after_process(_after_process)
 
 
 def _after_process(p: Any) -> None:

@@ -73,7 +73,7 @@ def test_folder_loads_as_a_pipeline_the_engine_patches(folder):
         torch.testing.assert_close(pipe.unet(x, t, context=pipe.context.expand(2, -1, -1)), direct, atol=0, rtol=0)
     base = euler_sample(pipe, torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0)), 2)
     tome_core.apply_patch(pipe.unet, ratio=0.5)
-    assert tome_core.get_patch(unet) is not None and len(tome_core.get_patch(unet).selected) == 3
+    assert tome_core.get_patch(unet) is not None and len(tome_core.patched_blocks(unet)) == 3
     tome_core.remove_patch(pipe.unet)
     again = euler_sample(pipe, torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0)), 2)
     assert torch.equal(again, base)
@@ -128,7 +128,7 @@ def test_the_diffusers_architecture_has_sd15s_layout_and_is_patched_alike():
     assert levels(ours) == levels(ldm) == [0, 0, 1, 1, 2, 2, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0]
     for model in (ldm, ours):
         tome_core.apply_patch(model, ratio=0.5)
-        assert len(tome_core.get_patch(model).selected) == 5
+        assert len(tome_core.patched_blocks(model)) == 5
         tome_core.remove_patch(model)
     x, t, text = torch.randn(1, 4, 16, 16), torch.tensor([500.0]), torch.randn(1, 7, 768)
     with torch.no_grad():

@@ -331,7 +331,7 @@ def test_ideal_shrinks_self_attention_in_the_blocks_ours_patches_and_undoes_itse
     x, t, c = inputs(h=32, w=32)
     plain_tokens, plain = _self_attention_tokens(unet, x, t, c)
     tome_core.apply_patch(unet, ratio=0.5)
-    patched = {id(rec.module) for rec in tome_core.get_patch(unet).selected}
+    patched = {id(b.block) for b in tome_core.patched_blocks(unet)}
     tome_core.remove_patch(unet)
     blocks = [m for m in unet.modules() if type(m).__name__ == "BasicTransformerBlock"]
     expected = [n // 2 if id(b) in patched else n for b, n in zip(blocks, plain_tokens)]

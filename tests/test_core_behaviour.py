@@ -83,7 +83,7 @@ def test_coexists_with_tomesd_markers():
 
 
 def selected(model):
-    return [r.name for r in tome_core.get_patch(model).selected]
+    return [b.name for b in tome_core.patched_blocks(model)]
 
 
 def test_auto_levels_sd1_match_max_downsample_1():
@@ -229,7 +229,7 @@ def test_single_spatial_transformer_can_be_patched_alone():
     with torch.no_grad():
         base = transformer(x, context=c)
         tome_core.apply_patch(transformer, ratio=0.5)
-        assert [r.level for r in tome_core.get_patch(transformer).selected] == [0]
+        assert [b.level for b in tome_core.patched_blocks(transformer)] == [0]
         assert not torch.equal(transformer(x, context=c), base)
         tome_core.remove_patch(transformer)
         assert torch.equal(transformer(x, context=c), base)
@@ -289,6 +289,6 @@ def test_diffusion_wrapper_resolves_to_its_u_net():
     wrapper = LatentModel(unet).model  # what the webui calls DiffusionWrapper: .diffusion_model is the U-Net
     tome_core.apply_patch(wrapper, ratio=0.5)
     assert tome_core.get_patch(unet) is tome_core.get_patch(wrapper)
-    assert len(tome_core.get_patch(unet).selected) == 3
+    assert len(tome_core.patched_blocks(unet)) == 3
     tome_core.remove_patch(wrapper)
     assert not tome_core.is_patched(unet)

@@ -64,7 +64,7 @@ def test_sdxl_auto_level_merges_where_tomesd_defaults_merge_nothing():
     tomesd.remove_patch(unet)
     tome_core.apply_patch(unet, ratio=0.5, use_rand=False)  # auto: the highest-resolution attention level
     auto = run_diffusers(unet, x, t, c)
-    selected = {r.name.split(".attentions")[0] for r in tome_core.get_patch(unet).selected}
+    selected = {b.name.split(".attentions")[0] for b in tome_core.patched_blocks(unet)}
     assert selected == {"down_blocks.1", "up_blocks.1"}
     tome_core.remove_patch(unet)
     tome_core.apply_patch(unet, ratio=0.5, use_rand=False, max_downsample=2)

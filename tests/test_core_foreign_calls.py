@@ -23,8 +23,7 @@ METHOD_IDS = ["tome", "todo"]
 
 
 def top_blocks(unet):
-    patch = tome_core.get_patch(unet)
-    return [rec.module for rec in patch.selected]
+    return [b.block for b in tome_core.patched_blocks(unet)]
 
 
 def unhooked_attention(attn, x, **kwargs):
@@ -115,8 +114,8 @@ def test_tiled_self_attention_in_forge_runs_exact(options):
     patched = call()  # raised before: The size of tensor a (256) must match the size of tensor b (1024)
     patch = tome_core.get_patch(unet)
     assert torch.equal(patched, tiled)
-    assert patch.unmerged_calls == len(patch.selected) > 0
-    assert patch.unused_plans == len(patch.selected)
+    assert patch.unmerged_calls == len(patch.blocks) > 0
+    assert patch.unused_plans == len(patch.blocks)
     tome_core.remove_patch(unet)
 
     # Without the tiling the same patch does merge: the equality above is the fallback, not a patch that
@@ -160,8 +159,8 @@ def test_an_attn1_replacement_leaves_the_block_whole_and_is_counted():
     tome_core.apply_patch(unet, ratio=0.5, use_rand=False)
     patched = call()
     patch = tome_core.get_patch(unet)
-    assert len(calls) == len(keys) == len(patch.selected)
+    assert len(calls) == len(keys) == len(patch.blocks)
     assert all(shape[1] == 32 * 32 for shape in calls)  # the replacement saw every token
     assert torch.equal(patched, plain)
-    assert patch.unused_plans == len(patch.selected) and patch.unmerged_calls == 0
+    assert patch.unused_plans == len(patch.blocks) and patch.unmerged_calls == 0
     tome_core.remove_patch(unet)

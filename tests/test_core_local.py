@@ -141,7 +141,7 @@ def test_one_plan_per_level_and_call_used_by_every_block_of_the_level(monkeypatc
 def test_auto_levels_on_sdxl_merge_at_its_first_attention_level():
     unet = tiny_unet("sdxl")
     tome_core.apply_patch(unet, method="local")
-    assert {rec.level for rec in tome_core.get_patch(unet).selected} == {1}
+    assert {b.level for b in tome_core.patched_blocks(unet)} == {1}
     x, t, c = inputs()
     assert run(unet, x, t, c).shape == x.shape
 
@@ -240,7 +240,7 @@ def _added_operations(unet, x, t, c, **options) -> tuple[int, int]:
 
     plain = count()
     tome_core.apply_patch(unet, **options)
-    blocks = len(tome_core.get_patch(unet).selected)
+    blocks = len(tome_core.patched_blocks(unet))
     added = count() - plain
     tome_core.remove_patch(unet)
     return added, blocks

@@ -145,8 +145,8 @@ def test_another_extensions_instance_forward_is_kept_and_given_back():
     calls.clear()
     run(unet, x, t, c)
     # Merged self-attention computes the weighted attention itself; every other layer still goes through theirs.
-    assert attn1 not in calls and set(calls) == set(attn_layers) - {r.module.attn1 for r in
-                                                                    tome_core.get_patch(unet).selected}
+    assert attn1 not in calls and set(calls) == set(attn_layers) - {b.block.attn1 for b in
+                                                                    tome_core.patched_blocks(unet)}
     tome_core.remove_patch(unet)
     assert {attn: attn.__dict__.get("forward") for attn in attn_layers} == theirs
     assert torch.equal(run(unet, x, t, c), base)

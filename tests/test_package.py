@@ -54,7 +54,7 @@ def test_installed_wheel_patches_a_diffusers_unet_without_importing_diffusers_it
         "'DownBlock2D'), up_block_types=('UpBlock2D', 'CrossAttnUpBlock2D'), layers_per_block=1, "
         "cross_attention_dim=16, norm_num_groups=8, attention_head_dim=2)\n"
         "tome_core.apply_patch(unet, ratio=0.5)\n"
-        "print(len(tome_core.get_patch(unet).selected))\n"
+        "print(len(tome_core.patched_blocks(unet)))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # The installed copy first; the repository's folder is not on the path (cwd is elsewhere).

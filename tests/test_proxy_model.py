@@ -141,13 +141,13 @@ def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):
         unpatched = list(seen)
         seen.clear()
         tome_core.apply_patch(pipe.unet, ratio=0.5, use_rand=False)
-        selected = tome_core.get_patch(pipe.unet).selected
+        selected = tome_core.patched_blocks(pipe.unet)
         _predict(pipe, x, t)
     finally:
         tome_core.remove_patch(pipe.unet)
         for h in handles:
             h.remove()
-    assert {rec.level for rec in selected} == {0} and len(selected) == levels[0]
+    assert {b.level for b in selected} == {0} and len(selected) == levels[0]
     assert unpatched == [4096] * levels[0]
     assert seen == [2048] * levels[0]
 

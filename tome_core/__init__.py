@@ -6,6 +6,7 @@ Pure PyTorch: nothing here imports the webui, gradio, ldm, sgm or diffusers. Pub
 
     apply_patch(model, ratio=0.5, ...)   # patch in place (again = new settings); returns model
     remove_patch(model)                  # exact restore
+    patched_blocks(model)                # what a patch acts on (PatchedBlock: name, level, block, attn1)
     set_progress(model, 0.3)             # sampling progress, for the step window (and level plan reuse)
 """
 
@@ -13,11 +14,12 @@ from .local import LocalPlan, plan_local
 from .stack import StackPlan, plan_stack
 from .merge import MergePlan, downsample_tokens, plan_merge
 from .options import MergeOptions, effective_ratio, ratio_cap
-from .patch import apply_patch, get_patch, is_patched, remove_patch, resolve_unet, set_progress
+from .patch import (PatchedBlock, apply_patch, get_patch, is_patched, patched_blocks, remove_patch, resolve_unet,
+                    set_progress)
 
 __all__ = [
-    "LocalPlan", "MergeOptions", "MergePlan", "StackPlan", "apply_patch", "downsample_tokens", "effective_ratio",
-    "get_patch", "is_patched", "plan_local", "plan_merge", "plan_stack", "ratio_cap", "remove_patch", "resolve_unet",
-    "set_progress",
+    "LocalPlan", "MergeOptions", "MergePlan", "PatchedBlock", "StackPlan", "apply_patch", "downsample_tokens",
+    "effective_ratio", "get_patch", "is_patched", "patched_blocks", "plan_local", "plan_merge", "plan_stack",
+    "ratio_cap", "remove_patch", "resolve_unet", "set_progress",
 ]
 __version__ = "1.0.0"

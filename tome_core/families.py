@@ -12,7 +12,10 @@ is structural and lives here:
 - where a self-attention call takes an explicit key/value source;
 - where the U-Net call's timestep is;
 - whether a block's ``attn1`` attends to the image tokens;
-- how an attention call takes an additive bias on its logits (for size-weighted keys), if it takes one.
+- how an attention call takes an additive bias on its logits (for size-weighted keys), or, where it takes
+  none (ldm), the attention forward the engine runs instead;
+- where a webui model, a wrapper or a diffusers pipeline holds its U-Net (``resolve_unet``), and why a model
+  has nothing to patch.
 
 Everything is found by class names and attributes, never by importing a family's code, so the engine still
 imports none of them, and a third family later is one more entry in ``FAMILIES``.
@@ -21,12 +24,32 @@ imports none of them, and a third family later is one more entry in ``FAMILIES``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 # (position, keyword) of an argument; position None: keyword only.
 Slot = tuple["int | None", str]
+
+
+def first_arg(args: tuple | list, kwargs: dict, keyword: str) -> Any:
+    """A call's first argument, passed by position or as ``keyword``."""
+    return args[0] if args else kwargs.get(keyword)
+
+
+def slot_value(args: tuple | list, kwargs: dict, index: int | None, keyword: str) -> Any:
+    """The argument at ``(index, keyword)`` (a ``Slot``) of a call, or None when the caller passed none."""
+    return args[index] if index is not None and len(args) > index else kwargs.get(keyword)
+
+
+def set_slot(args: list, kwargs: dict, index: int | None, keyword: str, value: Any) -> None:
+    """Pass ``value`` where the caller passed that argument (by position or keyword), else by keyword."""
+    if index is not None and len(args) > index:
+        args[index] = value
+    else:
+        kwargs[keyword] = value
 
 
 @dataclass(frozen=True)
@@ -44,7 +67,9 @@ class Family:
         attends_to_image: whether a block's attn1 is self-attention on the image tokens.
         bias_keyword: the keyword by which an attention call takes an additive bias on its logits, broadcast
             over queries ((B, 1, keys)), or None when the family's attention has none (ldm's ``mask`` is
-            boolean, and the webui's attention kernels drop it): the engine then computes that call itself.
+            boolean, and the webui's attention kernels drop it): the engine then runs ``biased_attention``.
+        biased_attention: where ``bias_keyword`` is None, the forward the engine sets on a self-attention
+            module for size-weighted keys: ``biased_attention(module, take_bias)`` (see ``BiasedAttention``).
     """
 
     is_transformer: Callable[[nn.Module], bool]
@@ -54,6 +79,7 @@ class Family:
     timestep_slot: Slot
     attends_to_image: Callable[[nn.Module], bool]
     bias_keyword: str | None = None
+    biased_attention: "Callable[[nn.Module, Callable[[], torch.Tensor | None]], BiasedAttention] | None" = None
 
     def is_unet(self, root: nn.Module) -> bool:
         return self.stages(root) is not None
@@ -100,6 +126,39 @@ def _diffusers_stages(root: nn.Module) -> list[tuple[nn.Module, int]] | None:
     return stages + [(block, -int(bool(getattr(block, "upsamplers", None)))) for block in root.up_blocks]
 
 
+class BiasedAttention:
+    """ldm/sgm ``CrossAttention``'s forward for size-weighted keys (its ``mask`` is boolean, and the webui's
+    attention optimisations replace its forward): with a bias pending for this call (``take_bias()``: (B, M),
+    added to every query's logit for each key), the module's own projections around PyTorch's
+    scaled-dot-product attention with that bias broadcast over queries; without one, the module's class
+    forward as it is now (the webui's optimised one), untouched, or the forward another extension had set on
+    the instance, which ``previous`` keeps for the engine to give back."""
+
+    def __init__(self, module: nn.Module, take_bias: "Callable[[], torch.Tensor | None]") -> None:
+        self.module, self.take_bias = module, take_bias
+        self.previous = module.__dict__.get("forward")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bias = self.take_bias()
+        m = self.module
+        x = first_arg(args, kwargs, "x")
+        keys = slot_value(args, kwargs, 1, "context")
+        keys = x if keys is None else keys
+        if (bias is None or slot_value(args, kwargs, 2, "mask") is not None or not isinstance(keys, torch.Tensor)
+                or bias.shape != keys.shape[:2]):
+            if self.previous is not None:
+                return self.previous(*args, **kwargs)
+            return type(m).forward(m, *args, **kwargs)
+        values = kwargs.get("value")
+        values = keys if values is None else values
+        q, k, v = m.to_q(x), m.to_k(keys), m.to_v(values)
+        b, n, inner = q.shape
+        heads = m.heads
+        q, k, v = (t.reshape(b, t.shape[1], heads, inner // heads).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None, :].to(q.dtype))
+        return m.to_out(out.transpose(1, 2).reshape(b, n, inner))
+
+
 LDM = Family(
     is_transformer=lambda m: type(m).__name__ == "SpatialTransformer" and hasattr(m, "transformer_blocks"),
     stages=_ldm_stages,
@@ -111,6 +170,7 @@ LDM = Family(
     timestep_slot=(1, "timesteps"),
     # Blocks built with disable_self_attn give attn1 the text instead.
     attends_to_image=lambda block: not getattr(block, "disable_self_attn", False),
+    biased_attention=BiasedAttention,
 )
 
 DIFFUSERS = Family(
@@ -154,3 +214,49 @@ def diffusion_transformer_name(root: nn.Module) -> str | None:
         if name in ("MMDiT", "MMDiTX", "Flux", "IntegratedFluxTransformer2DModel", "DiT"):
             return name
     return None
+
+
+_WHAT = ("a torch.nn.Module (an LDM/SGM model, its U-Net, a diffusers UNet2DConditionModel or a pipeline with "
+         "a .unet)")
+
+
+def resolve_unet(model: Any) -> nn.Module:
+    """The module to patch: ``model.model.diffusion_model`` (the webui's ``shared.sd_model``) or
+    ``model.diffusion_model`` when present; a diffusers pipeline's ``model.unet``; else ``model`` itself.
+    Raises TypeError for what holds no module, ValueError for a pipeline without a U-Net."""
+    if model is None:
+        raise TypeError(f"model must be {_WHAT}, got None")
+    # The webui's sd_model (model.model.diffusion_model) or its DiffusionWrapper (model.diffusion_model), and
+    # a wrapper of those (a caller's adapter around a diffusers U-Net holds it as .diffusion_model too).
+    for _ in range(4):
+        inner = next((m for m in (getattr(getattr(model, "model", None), "diffusion_model", None),
+                                  getattr(model, "diffusion_model", None)) if isinstance(m, nn.Module)), None)
+        if inner is None or inner is model:
+            break
+        model = inner
+    if isinstance(model, nn.Module):
+        return model
+    # A diffusers pipeline (not a module itself): its denoiser is .unet, or .transformer in DiT pipelines.
+    unet = getattr(model, "unet", None)
+    if isinstance(unet, nn.Module):
+        return unet
+    denoiser = getattr(model, "transformer", None)
+    if isinstance(denoiser, nn.Module):
+        raise ValueError(f"{type(model).__name__} has no U-Net: its denoiser is {type(denoiser).__name__}, a "
+                         f"diffusion transformer; token merging patches U-Nets (SD 1.x, SD 2.x, SDXL) only")
+    if hasattr(model, "unet") or hasattr(model, "components"):
+        raise ValueError(f"{type(model).__name__} has no U-Net to patch (its .unet is "
+                         f"{type(unet).__name__})")
+    raise TypeError(f"model must be {_WHAT}, got {type(model).__name__}")
+
+
+def nothing_to_patch(root: nn.Module) -> ValueError:
+    """The error for a module tree in which no family has a transformer to merge."""
+    dit = diffusion_transformer_name(root)
+    if dit is not None:
+        return ValueError(f"model {type(root).__name__} is a diffusion transformer ({dit}: DiT, PixArt, SD3, Flux "
+                          f"and similar have no U-Net), so there is nothing to patch: token merging patches U-Nets "
+                          f"(SD 1.x, SD 2.x, SDXL) only")
+    return ValueError(f"model {type(root).__name__} has no transformer blocks to merge: the engine patches ldm/sgm "
+                      f"U-Nets (SpatialTransformer) and diffusers U-Nets (Transformer2DModel) with "
+                      f"BasicTransformerBlocks")

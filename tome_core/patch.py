@@ -25,10 +25,10 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .families import LDM, Family, diffusion_transformer_name, family_of
+from .families import (BiasedAttention, Family, family_of, first_arg, nothing_to_patch, resolve_unet, set_slot,
+                       slot_value)
 from .local import LocalPlan, plan_local
 from .stack import StackPlan, plan_stack
 from .merge import MergePlan, SplitLayout, downsample_tokens, plan_split, split_layouts
@@ -58,6 +58,29 @@ class _BlockRecord:
         self.key = 0
         self.row = 0  # its place among the selected blocks: its row of a call's random partitions
 
+    def take_key_bias(self) -> torch.Tensor | None:
+        """The size-weighted keys' bias pending for attn1's call under way, once."""
+        bias, self.key_bias = self.key_bias, None
+        return bias
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchedBlock:
+    """A transformer block a patch acts on, as the glue, the benchmark and the tests see it.
+
+    Attributes:
+        name: its module path under the U-Net (``input_blocks.1.1.transformer_blocks.0``).
+        level: the U-Net's downsampling level it sits at (0 = latent resolution).
+        block: the block module.
+        self_attention: its ``attn1`` where that attends to the image tokens (the layer merged or reduced),
+            else None.
+    """
+
+    name: str
+    level: int
+    block: nn.Module
+    self_attention: nn.Module | None
+
 
 def _is_block(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("attn1", "attn2", "ff", "norm1", "norm2", "norm3"))
@@ -70,39 +93,6 @@ def transformer_levels(root: nn.Module) -> list[tuple[str, nn.Module, int]]:
     root = resolve_unet(root)
     family = family_of(root)
     return family.transformer_levels(root) if family is not None else []
-
-
-_WHAT = ("a torch.nn.Module (an LDM/SGM model, its U-Net, a diffusers UNet2DConditionModel or a pipeline with "
-         "a .unet)")
-
-
-def resolve_unet(model: Any) -> nn.Module:
-    """The module to patch: ``model.model.diffusion_model`` (the webui's ``shared.sd_model``) or
-    ``model.diffusion_model`` when present; a diffusers pipeline's ``model.unet``; else ``model`` itself."""
-    if model is None:
-        raise TypeError(f"model must be {_WHAT}, got None")
-    # The webui's sd_model (model.model.diffusion_model) or its DiffusionWrapper (model.diffusion_model), and
-    # a wrapper of those (a caller's adapter around a diffusers U-Net holds it as .diffusion_model too).
-    for _ in range(4):
-        inner = next((m for m in (getattr(getattr(model, "model", None), "diffusion_model", None),
-                                  getattr(model, "diffusion_model", None)) if isinstance(m, nn.Module)), None)
-        if inner is None or inner is model:
-            break
-        model = inner
-    if isinstance(model, nn.Module):
-        return model
-    # A diffusers pipeline (not a module itself): its denoiser is .unet, or .transformer in DiT pipelines.
-    unet = getattr(model, "unet", None)
-    if isinstance(unet, nn.Module):
-        return unet
-    denoiser = getattr(model, "transformer", None)
-    if isinstance(denoiser, nn.Module):
-        raise ValueError(f"{type(model).__name__} has no U-Net: its denoiser is {type(denoiser).__name__}, a "
-                         f"diffusion transformer; token merging patches U-Nets (SD 1.x, SD 2.x, SDXL) only")
-    if hasattr(model, "unet") or hasattr(model, "components"):
-        raise ValueError(f"{type(model).__name__} has no U-Net to patch (its .unet is "
-                         f"{type(unet).__name__})")
-    raise TypeError(f"model must be {_WHAT}, got {type(model).__name__}")
 
 
 def check_loaded(root: nn.Module) -> None:
@@ -123,17 +113,6 @@ def check_loaded(root: nn.Module) -> None:
                              f"its weights at each call); use model CPU offload, or none, before patching")
 
 
-def _nothing_to_patch(root: nn.Module) -> ValueError:
-    dit = diffusion_transformer_name(root)
-    if dit is not None:
-        return ValueError(f"model {type(root).__name__} is a diffusion transformer ({dit}: DiT, PixArt, SD3, Flux "
-                          f"and similar have no U-Net), so there is nothing to patch: token merging patches U-Nets "
-                          f"(SD 1.x, SD 2.x, SDXL) only")
-    return ValueError(f"model {type(root).__name__} has no transformer blocks to merge: the engine patches ldm/sgm "
-                      f"U-Nets (SpatialTransformer) and diffusers U-Nets (Transformer2DModel) with "
-                      f"BasicTransformerBlocks")
-
-
 class TokenMergePatch:
     """The live state of one patched model: its options, hooks and per-call facts."""
 
@@ -149,7 +128,8 @@ class TokenMergePatch:
         self._fixed_layouts: dict[tuple, list[SplitLayout]] = {}
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._handles: list = []
-        self._own_attention: list[nn.Module] = []  # attn1 modules whose forward this patch computes itself
+        # (attn1, the forward this patch set on it): modules whose calls this patch computes itself.
+        self._own_attention: list[tuple[nn.Module, BiasedAttention]] = []
         # Block calls whose plan no attention call could use, and attention calls run unmerged because their
         # input was not laid out as the plan's (other extensions reshaping or splitting the tokens, an attn1
         # replacement): the host tells the user once per job.
@@ -161,7 +141,7 @@ class TokenMergePatch:
         # sampling evaluations, by (level, call slot within the evaluation, h, w). See ``_begin_level_call``.
         family = family_of(root)
         if family is None:  # no transformer of any family: refused, never taken for ldm
-            raise _nothing_to_patch(root)
+            raise nothing_to_patch(root)
         self.family = family
         self._has_call_hook = self.family.is_unet(root)
         self._level_plans: dict[int, LocalPlan | StackPlan | None] = {}
@@ -176,7 +156,7 @@ class TokenMergePatch:
         blocks = [(tname, t, level, i, blk) for tname, t, level in layout
                   for i, blk in enumerate(t.transformer_blocks) if _is_block(blk)]
         if not blocks:
-            raise _nothing_to_patch(root)
+            raise nothing_to_patch(root)
         # Each selected block's record, grouped by the transformer whose input tells its grid.
         self._grid_sources: dict[int, tuple[nn.Module, list[_BlockRecord]]] = {}
         for index, (tname, t, level, i, blk) in enumerate(blocks):
@@ -214,8 +194,9 @@ class TokenMergePatch:
             hook(blk.register_forward_pre_hook(_plan_maker(self, rec), with_kwargs=True))
             hook(blk.register_forward_hook(_plan_dropper(self, rec)))
             if self.weighs_keys and rec.self_attention and family.bias_keyword is None:
-                blk.attn1.forward = _BiasedAttention(blk.attn1, rec)
-                self._own_attention.append(blk.attn1)
+                forward = family.biased_attention(blk.attn1, rec.take_key_bias)
+                blk.attn1.forward = forward
+                self._own_attention.append((blk.attn1, forward))
             if o.method in ("todo", "local"):
                 hook(blk.attn1.register_forward_pre_hook(_kv_reducer(self, rec, o), with_kwargs=True))
                 continue
@@ -238,6 +219,12 @@ class TokenMergePatch:
                                                                 with_kwargs=True))
             self._hook(recs[-1].module.register_forward_hook(_stack_exit(self, under_way)))
 
+    @property
+    def blocks(self) -> tuple[PatchedBlock, ...]:
+        """The blocks this patch acts on, in call order."""
+        return tuple(PatchedBlock(rec.name, rec.level, rec.module, rec.module.attn1 if rec.self_attention else None)
+                     for rec in self.selected)
+
     def _hook(self, handle) -> None:
         self._handles.append(handle)
 
@@ -251,9 +238,8 @@ class TokenMergePatch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in self._own_attention:
-            ours = module.__dict__.get("forward")
-            if isinstance(ours, _BiasedAttention):
+        for module, ours in self._own_attention:
+            if module.__dict__.get("forward") is ours:
                 if ours.previous is None:
                     del module.forward
                 else:  # another extension's forward on the instance (Hypertile's) before ours: give it back
@@ -271,7 +257,7 @@ class TokenMergePatch:
     # -- per call -----------------------------------------------------------------------------------------
 
     def _record_timestep(self, module, args, kwargs):
-        self.timestep = _slot(args, kwargs, *self.family.timestep_slot)
+        self.timestep = slot_value(args, kwargs, *self.family.timestep_slot)
         self._tbits = None
         self._partitions.clear()
 
@@ -403,13 +389,9 @@ def default_score_chunk(device: torch.device) -> int:
     return 1 << 22 if device.type == "cpu" else 1 << 26
 
 
-def _first_arg(args, kwargs, name):
-    return args[0] if args else kwargs.get(name)
-
-
 def _grid_recorder(recs: list[_BlockRecord], keyword: str):
     def hook(module, args, kwargs):
-        x = _first_arg(args, kwargs, keyword)
+        x = first_arg(args, kwargs, keyword)
         grid = (int(x.shape[-2]), int(x.shape[-1])) if isinstance(x, torch.Tensor) and x.dim() == 4 else None
         for rec in recs:
             rec.grid = grid
@@ -420,7 +402,7 @@ def _plan_maker(patch: TokenMergePatch, rec: _BlockRecord):
     keyword = patch.family.tokens_keyword
 
     def hook(module, args, kwargs):
-        x = _first_arg(args, kwargs, keyword)
+        x = first_arg(args, kwargs, keyword)
         rec.plan = patch.make_plan(rec, x)
         rec.used = False
         if rec.plan is not None:
@@ -447,22 +429,10 @@ def _merged_arguments(merge, args, kwargs, x: torch.Tensor, self_attention: bool
     """The call's arguments with ``x`` merged, and with it self-attention's explicit key/value sources."""
     done = {id(x): merge(x)}
     args, kwargs = list(args), dict(kwargs)
-    _set_slot(args, kwargs, 0, family.tokens_keyword, done[id(x)])
+    set_slot(args, kwargs, 0, family.tokens_keyword, done[id(x)])
     if self_attention:
         _map_kv_sources(args, kwargs, x, merge, done, family.kv_slots)
     return tuple(args), kwargs
-
-
-def _slot(args, kwargs, index: int | None, name: str):
-    return args[index] if index is not None and len(args) > index else kwargs.get(name)
-
-
-def _set_slot(args: list, kwargs: dict, index: int | None, name: str, value) -> None:
-    """Pass ``value`` where the caller passed that argument (by position or keyword), else by keyword."""
-    if index is not None and len(args) > index:
-        args[index] = value
-    else:
-        kwargs[name] = value
 
 
 def _per_token(t, x: torch.Tensor) -> bool:
@@ -476,12 +446,12 @@ def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict, s
     Sources of another length (text, extra reference tokens) stay as they are. ``slots``: the family's
     ``kv_slots``."""
     for index, name in slots:
-        t = _slot(args, kwargs, index, name)
+        t = slot_value(args, kwargs, index, name)
         if not _per_token(t, x):
             continue
         if id(t) not in done:
             done[id(t)] = fn(t)
-        _set_slot(args, kwargs, index, name, done[id(t)])
+        set_slot(args, kwargs, index, name, done[id(t)])
 
 
 def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, merged_calls: list[bool]):
@@ -492,7 +462,7 @@ def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, mer
         if plan is None or plan is _TODO:
             merged_calls.append(False)
             return None
-        x = _first_arg(args, kwargs, family.tokens_keyword)
+        x = first_arg(args, kwargs, family.tokens_keyword)
         if not (isinstance(x, torch.Tensor) and plan.fits(x)):
             # Called on rows or tokens the plan was not made for (ControlNet's reference mode attends with the
             # unconditional rows alone, HyperTile tiles the tokens): exact attention on that input.
@@ -521,7 +491,7 @@ def _unmerger(rec: _BlockRecord, merged_calls: list[bool]):
 def _stack_entry(patch: TokenMergePatch, rec: _BlockRecord, under_way: list, keyword: str):
     """The first block of a stack: its tokens merged by the level's plan, so that every block runs on them."""
     def hook(module, args, kwargs):
-        x = _first_arg(args, kwargs, keyword)
+        x = first_arg(args, kwargs, keyword)
         plan = patch.level_plan(rec, x)
         if plan is None:
             under_way.append(None)
@@ -529,7 +499,7 @@ def _stack_entry(patch: TokenMergePatch, rec: _BlockRecord, under_way: list, key
         merged = plan.merge(x)
         under_way.append((plan, plan.offsets(x, merged), merged.shape))
         args, kwargs = list(args), dict(kwargs)
-        _set_slot(args, kwargs, 0, keyword, merged)
+        set_slot(args, kwargs, 0, keyword, merged)
         return tuple(args), kwargs
     return hook
 
@@ -559,7 +529,7 @@ def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions
         plan = rec.plan
         if plan is None or not rec.self_attention:
             return None
-        x = _first_arg(args, kwargs, family.tokens_keyword)
+        x = first_arg(args, kwargs, family.tokens_keyword)
         if not _fits(rec, x) or (plan is not _TODO and not plan.fits(x)):
             # See _merger: exact attention on an input the block's plan does not describe.
             patch.unmerged_calls += 1
@@ -573,8 +543,8 @@ def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions
             return downsample_tokens(t, h, w, options.todo_factor, options.todo_pool)
 
         args, kwargs = list(args), dict(kwargs)
-        if _slot(args, kwargs, *kv_source) is None:  # keys and values would come from x itself
-            _set_slot(args, kwargs, *kv_source, downsample(x))
+        if slot_value(args, kwargs, *kv_source) is None:  # keys and values would come from x itself
+            set_slot(args, kwargs, *kv_source, downsample(x))
         else:
             _map_kv_sources(args, kwargs, x, downsample, {}, family.kv_slots)
         if plan is not _TODO and patch.weighs_keys:
@@ -586,43 +556,11 @@ def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions
 def _add_key_bias(family: Family, rec: _BlockRecord, kwargs: dict, log_sizes: torch.Tensor) -> None:
     """Hand self-attention's call the log of the tokens each key stands for (B, M), added to every query's
     logit for that key: the family's bias argument (B, 1, M), where its attention takes one and the caller
-    passed none; else the record, which ``_BiasedAttention`` reads."""
+    passed none; else the record, which the family's ``biased_attention`` takes it from."""
     if family.bias_keyword is None:
         rec.key_bias = log_sizes
     elif kwargs.get(family.bias_keyword) is None:
         kwargs[family.bias_keyword] = log_sizes[:, None, :]
-
-
-class _BiasedAttention:
-    """attn1's forward for size-weighted keys where the family's attention takes no additive bias (ldm/sgm
-    ``CrossAttention``, whose ``mask`` is boolean and which the webui's attention optimisations replace):
-    with a bias pending for this call, the module's own projections around PyTorch's scaled-dot-product
-    attention with that bias broadcast over queries; without one, the module's class forward as it is now
-    (the webui's optimised one), untouched, or the forward another extension had set on the instance."""
-
-    def __init__(self, module: nn.Module, rec: _BlockRecord) -> None:
-        self.module, self.rec = module, rec
-        self.previous = module.__dict__.get("forward")  # restored by ``uninstall``
-
-    def __call__(self, *args, **kwargs):
-        bias, self.rec.key_bias = self.rec.key_bias, None
-        m = self.module
-        x = _first_arg(args, kwargs, "x")
-        keys = _slot(args, kwargs, *LDM.kv_slots[0])
-        keys = x if keys is None else keys
-        if (bias is None or _slot(args, kwargs, 2, "mask") is not None or not isinstance(keys, torch.Tensor)
-                or bias.shape != keys.shape[:2]):
-            if self.previous is not None:
-                return self.previous(*args, **kwargs)
-            return type(m).forward(m, *args, **kwargs)
-        values = kwargs.get("value")
-        values = keys if values is None else values
-        q, k, v = m.to_q(x), m.to_k(keys), m.to_v(values)
-        b, n, inner = q.shape
-        heads = m.heads
-        q, k, v = (t.reshape(b, t.shape[1], heads, inner // heads).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, None, :].to(q.dtype))
-        return m.to_out(out.transpose(1, 2).reshape(b, n, inner))
 
 
 # -- public API -----------------------------------------------------------------------------------------------
@@ -700,8 +638,14 @@ def remove_patch(model: Any) -> Any:
 
 
 def get_patch(model: Any) -> TokenMergePatch | None:
-    """The live patch of ``model`` (its ``options``, ``selected`` blocks, ``progress``), or None."""
+    """The live patch of ``model`` (its ``options``, ``blocks``, ``progress``), or None."""
     return getattr(resolve_unet(model), PATCH_ATTR, None)
+
+
+def patched_blocks(model: Any) -> tuple[PatchedBlock, ...]:
+    """The blocks the patch of ``model`` acts on (empty when it has none)."""
+    patch = get_patch(model)
+    return () if patch is None else patch.blocks
 
 
 def is_patched(model: Any) -> bool:

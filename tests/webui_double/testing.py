@@ -68,12 +68,12 @@ class Host:
         import tome_core
         from modules import processing
 
-        patch = tome_core.get_patch(model.unet)
+        patch = tome_core.get_patch(model.unet)  # its options and progress, a public view of the patch
         self.calls.append(UnetCall(
             model=model, hr=bool(processing.current_job().is_hr_pass), shape=tuple(x.shape),
             options=None if patch is None else patch.options, progress=None if patch is None else patch.progress,
             builtin=model.builtin_token_merging_on(),
-            levels=frozenset() if patch is None else frozenset(r.level for r in patch.selected)))
+            levels=frozenset(b.level for b in tome_core.patched_blocks(model.unet))))
 
     def new_model(self, unet=None, kind: str = "u-net"):
         """A model of this host around ``unet`` (a tiny SD 1.x U-Net by default); ``kind`` "transformer" is

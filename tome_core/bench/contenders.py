@@ -89,7 +89,7 @@ class IdealPatch:
         root = tome_core.resolve_unet(model)
         # The same blocks as ours, by asking ours which it patches.
         tome_core.apply_patch(root, ratio=self.ratio, max_downsample=self.max_downsample, sx=self.sx, sy=self.sy)
-        blocks = {id(rec.module) for rec in tome_core.get_patch(root).selected}
+        blocks = {id(b.block) for b in tome_core.patched_blocks(root)}
         tome_core.remove_patch(root)
         self.remove(model)
         family = family_of(root)
