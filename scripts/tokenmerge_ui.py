@@ -45,6 +45,8 @@ METHOD_CONTROLS = tuple(dict.fromkeys(key for keys in tm.METHOD_KEYS.values() fo
 OWN_INFOTEXT_KEYS = frozenset(tm.INFOTEXT_KEYS) | {tm.REFINER_INFOTEXT, tm.HYPERTILE_INFOTEXT}
 # On the processing object: the sampling pass under way, when ToMe applies to it.
 PASS_ATTRIBUTE = "tokenmerge_pass"
+# On the processing object: the job's settings, parsed once, in its first hook.
+SETTINGS_ATTRIBUTE = "tokenmerge_settings"
 
 # Every U-Net this module patched and has not yet restored, with the engine options it was patched with.
 # Not just the current model's: the model can change during a job (refiner, hires checkpoint), and a job that
@@ -273,9 +275,17 @@ class TokenMergeScript(scripts.Script):
 
     # -- generation ---------------------------------------------------------------------------------------------
 
-    def job_settings(self, p: Any, args: tuple, *, report: bool = False) -> tm.TokenMergeSettings:
+    def job_settings(self, p: Any, args: tuple) -> tm.TokenMergeSettings:
+        """The settings of this job, as ``before_process`` parsed them (parsed here, silently, should a host
+        call a later hook of a job without it)."""
+        settings = getattr(p, SETTINGS_ATTRIBUTE, None)
+        if isinstance(settings, tm.TokenMergeSettings):
+            return settings
+        return self.parse_job_settings(p, args)
+
+    def parse_job_settings(self, p: Any, args: tuple, *, report: bool = False) -> tm.TokenMergeSettings:
         """The settings of this job: the hook's arguments, then the XYZ cell's overrides. A bad value turns
-        ToMe off for the job; ``report`` prints why (done once, in the job's first hook)."""
+        ToMe off for the job; ``report`` prints why."""
         try:
             settings = tm.parse_args(args)
             overrides = getattr(p, tm.OVERRIDES_ATTRIBUTE, None)
@@ -288,7 +298,8 @@ class TokenMergeScript(scripts.Script):
             return tm.DISABLED
 
     def before_process(self, p: Any, *args: Any) -> None:
-        settings = self.job_settings(p, args, report=True)
+        settings = self.parse_job_settings(p, args, report=True)
+        setattr(p, SETTINGS_ATTRIBUTE, settings)
         p.tokenmerge_printed = set()
         # postprocess does not run when sampling raised, so the previous job may have left its patch on.
         end_job()

@@ -45,9 +45,9 @@ def _refused(capsys, main, argv, expected):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--ratios", "1.0"], "--ratios 1: a merge ratio must lie in [0, 1)"),
-    (["--ratios", "0.5", "-0.1"], "--ratios -0.1: a merge ratio must lie in [0, 1)"),
-    (["--ratios", "nan"], "--ratios nan: a merge ratio must lie in [0, 1)"),
+    (["--ratios", "0.95"], "--ratios 0.95: a merge ratio must lie in [0, 0.9]"),
+    (["--ratios", "0.5", "-0.1"], "--ratios -0.1: a merge ratio must lie in [0, 0.9]"),
+    (["--ratios", "nan"], "--ratios nan: a merge ratio must lie in [0, 0.9]"),
     (["--repeats", "0"], "--repeats 0: at least 1 round is needed"),
     (["--models", "sd15", "--sizes", "512", "100"], "--sizes 100: image sizes must be positive multiples of 8 px"),
     (["--sizes", "0"], "--sizes 0: image sizes must be positive multiples of 8 px"),

@@ -27,6 +27,34 @@ def test_table_defines_the_documented_api_order_and_the_dataclass_follows_it():
     assert {k: getattr(TokenMergeSettings(), k) for k in API_KEYS} == {p.key: p.default for p in tm.PARAMS}
 
 
+def test_every_engine_parameter_of_the_table_is_the_engines_with_its_default_and_bounds():
+    """One table: each parameter the engine reads is ``apply_patch``'s keyword and ``MergeOptions``' field of
+    its name with the same default, and the engine refuses just what the table refuses (one set of bounds)."""
+    signature = inspect.signature(tome_core.apply_patch).parameters
+    merge_fields = {f.name: f.default for f in fields(tome_core.MergeOptions)}
+    assert list(merge_fields) == [name for name in signature if name not in ("model", "unknown")]
+    assert {name: p.default for name, p in signature.items() if name in merge_fields} == merge_fields
+    engine = [p for p in tm.PARAMS if p.engine]
+    assert {p.key for p in tm.PARAMS if not p.engine} == {"enabled", "hr_only", "hr_ratio"}
+    options = TokenMergeSettings(enabled=True).engine_options(hires=False, seed=0)
+    assert set(options) == {p.key for p in engine} | {"seed"}
+    for p in engine:
+        assert p.key in merge_fields
+        default = TokenMergeSettings().effective()  # "Auto" resolved as the engine receives it
+        assert merge_fields[p.key] == getattr(default, p.key) or p.key == "size_weighted_keys", p.key
+        if p.kind in (tm.FLOAT, tm.INT):
+            for inside in (p.low, p.high):
+                tome_core.MergeOptions(**{p.key: inside, **({"step_start": 0.0} if p.key == "step_end" else {})})
+                tm.PARAM[p.key].normalise(inside)
+            beyond = p.high + (p.step if p.kind == tm.INT else 0.01)
+            with pytest.raises(ValueError, match=p.key):
+                tome_core.MergeOptions(**{p.key: beyond})
+            with pytest.raises(ValueError, match=p.key):
+                tm.PARAM[p.key].normalise(beyond)
+    hr = tm.PARAM["hr_ratio"]  # the hires ratio reaches the engine as the ratio of the hires pass
+    assert (hr.low, hr.high) == (tm.PARAM["ratio"].low, tm.PARAM["ratio"].high)
+
+
 def test_defaults():
     s = TokenMergeSettings()
     assert (s.enabled, s.ratio, s.hr_only, s.hr_ratio, s.method, s.max_downsample) == (False, 0.5, False, 0.0,

@@ -14,7 +14,7 @@ import gradio as gr
 import pytest
 import torch
 
-from tome_core import settings as tm
+from tome_core import options, settings as tm
 from webui_double.testing import EXTENSION_DIR, fresh, host, tome_keys  # noqa: F401  (fixtures)
 
 TABS = ("txt2img", "img2img")
@@ -203,6 +203,23 @@ def test_api_info_lists_the_choices_the_api_accepts(host):
     info = host.webui.script("txt2img", "ToMe").api_info
     by_label = {arg["label"]: arg for arg in info["args"]}
     assert by_label["Merge method"]["choices"] == ["ToMe", "ToDo", "Local", "Stack"]
-    assert by_label["Re-plan every (steps)"]["maximum"] == tm.MAX_LOCAL_REPLAN_UI
+    assert by_label["Re-plan every (steps)"]["maximum"] == options.MAX_LOCAL_REPLAN
     assert by_label["Merge levels (max downsample)"]["choices"] == ["auto", "1", "2", "4", "8"]
     assert json.dumps(info)  # serialisable, as /sdapi/v1/script-info needs
+
+
+def test_the_ui_module_names_every_parameter_of_the_table_once():
+    """What the UI spells out beside the table falls in step with it: the advanced panel's rows hold every
+    parameter but the four shown above them, once each, and the module's API paragraph lists them all in
+    the positional order."""
+    import ast
+
+    source = open(os.path.join(EXTENSION_DIR, "scripts", "tokenmerge_ui.py"), encoding="utf-8").read()
+    tree = ast.parse(source)
+    rows = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "ADVANCED_ROWS" for t in node.targets))
+    panel = [key for row in rows for key in row]
+    assert sorted(panel) == sorted(set(tm.KEYS) - {"enabled", "ratio", "hr_only", "hr_ratio"})
+    listed = re.search(r"order \(the same in\s+both tabs.*?\)::\n\n(.*?)\n\n", ast.get_docstring(tree), re.S)
+    assert listed is not None
+    assert [word.strip() for word in listed.group(1).replace("\n", " ").split(",")] == list(tm.KEYS)

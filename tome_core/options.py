@@ -14,7 +14,9 @@ MAX_DOWNSAMPLES = (1, 2, 4, 8)
 MAX_STRIDE = 8
 MAX_TODO_FACTOR = 8
 INDEX_DTYPES = (torch.int32, torch.int64)
-MAX_LOCAL_REPLAN = 1000
+# The bounds every way in shares (the engine's checks, the settings and the UI's sliders): one set.
+MAX_RATIO = 0.9  # the stride caps what is used anyway (ratio_cap: 0.75 at 2×2)
+MAX_LOCAL_REPLAN = 10
 LOCAL_WINDOW = 2  # the local and stack methods' windows are 2×2 tokens, whatever the ToMe stride
 WINDOW_METHODS = ("local", "stack")  # the methods that group tokens in those windows
 
@@ -88,7 +90,7 @@ class MergeOptions:
     size_weighted_keys: bool = False
 
     def __post_init__(self) -> None:
-        check_number("ratio", self.ratio, 0.0, 1.0, high_inclusive=False)
+        check_number("ratio", self.ratio, 0.0, MAX_RATIO)
         if self.max_downsample is not None:
             check_choice("max_downsample", self.max_downsample, (None,) + MAX_DOWNSAMPLES)
         check_number("sx", self.sx, 1, MAX_STRIDE, integer=True)

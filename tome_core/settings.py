@@ -4,8 +4,12 @@ A host (the webui's Script, its API, an XYZ plot cell, a pasted infotext) hands 
 turns them into a validated ``TokenMergeSettings`` and back into infotext. It knows nothing about any host
 beyond plain values (no webui or gradio imports), so it is testable alone.
 
-``PARAMS`` is the table: per parameter its API key (also the dataclass field and positional order), kind,
-default, bounds, UI label (also the hover-hint key), infotext key and XYZ axis label.
+``PARAMS`` is the table: per parameter its API key (also the dataclass field, the positional order and, for
+the parameters the engine reads, ``apply_patch``'s keyword), kind, default, bounds (the engine's, from
+``tome_core.options``), UI label (also the hover-hint key), infotext key and XYZ axis label. The settings
+object, the engine options, the UI's controls, the X/Y/Z axes and the infotext are made from it; what is
+spelled out elsewhere (the dataclass fields, ``apply_patch``'s signature, the advanced panel's rows) is checked
+against it by the tests.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from .options import (MAX_DOWNSAMPLES, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS, WINDOW_METHODS, check_number,
-                      effective_ratio, method_strides, ratio_cap)
+from .options import (MAX_DOWNSAMPLES, MAX_LOCAL_REPLAN, MAX_RATIO, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS,
+                      WINDOW_METHODS, check_number, effective_ratio, method_strides, ratio_cap)
 
 RATIO_INFOTEXT = "ToMe ratio"
 """Written whenever ToMe is on; its presence in a pasted infotext is what turns the accordion on."""
@@ -34,7 +38,6 @@ OVERRIDES_ATTRIBUTE = "tokenmerge_xyz"
 (an XYZ plot cell). Its presence turns ToMe on for that generation."""
 
 AUTO_LEVELS = "auto"
-MAX_LOCAL_REPLAN_UI = 10
 
 BOOL, FLOAT, INT, CHOICE, LEVELS, SWITCH = "bool", "float", "int", "choice", "levels", "switch"
 SWITCH_CHOICES = ("Auto", "On", "Off")
@@ -67,6 +70,9 @@ class Param:
     step: float | None = None
     choices: tuple[str, ...] = ()
     txt2img_only: bool = False
+    engine: bool = True
+    """The engine reads it: ``apply_patch`` takes it under ``key`` (resolved for the pass, see
+    ``TokenMergeSettings.engine_options``)."""
     absent: Any = _SAME_AS_DEFAULT
     """What an infotext without this parameter's key means, where that is not the default: images made before
     the default changed must give the same picture when pasted back."""
@@ -152,11 +158,11 @@ def _normalise_levels(key: str, value: Any) -> int | None:
 
 
 PARAMS: tuple[Param, ...] = (
-    Param("enabled", BOOL, False, "Token merging (ToMe)"),
-    Param("ratio", FLOAT, 0.5, "Merge ratio", RATIO_INFOTEXT, "[ToMe] Ratio", 0.0, 0.9, 0.05),
-    Param("hr_only", BOOL, False, "Hires fix only", "ToMe hires only", txt2img_only=True),
+    Param("enabled", BOOL, False, "Token merging (ToMe)", engine=False),
+    Param("ratio", FLOAT, 0.5, "Merge ratio", RATIO_INFOTEXT, "[ToMe] Ratio", 0.0, MAX_RATIO, 0.05),
+    Param("hr_only", BOOL, False, "Hires fix only", "ToMe hires only", txt2img_only=True, engine=False),
     Param("hr_ratio", FLOAT, 0.0, "Hires merge ratio (0 = same)", "ToMe hr ratio", "[ToMe] Hires ratio",
-          0.0, 0.9, 0.05, txt2img_only=True),
+          0.0, MAX_RATIO, 0.05, txt2img_only=True, engine=False),
     Param("method", CHOICE, "tome", "Merge method", "ToMe method", "[ToMe] Method",
           choices=("ToMe", "ToDo", "Local", "Stack")),
     Param("max_downsample", LEVELS, None, "Merge levels (max downsample)", "ToMe max downsample",
@@ -174,7 +180,7 @@ PARAMS: tuple[Param, ...] = (
           0.0, 1.0, 0.05),
     # Appended after the parameters of the first release, so positional API calls made for it keep working.
     Param("local_replan", INT, 1, "Re-plan every (steps)", "ToMe re-plan every", "[ToMe] Re-plan every",
-          1, MAX_LOCAL_REPLAN_UI, 1),
+          1, MAX_LOCAL_REPLAN, 1),
     # Off by default until Auto existed: an infotext without the key was made with it off.
     Param("size_weighted_keys", SWITCH, None, "Size-weighted keys", "ToMe size-weighted keys",
           "[ToMe] Size-weighted keys", choices=SWITCH_CHOICES, absent=False),
@@ -248,12 +254,10 @@ class TokenMergeSettings:
         return method_strides(self.method, self.sx, self.sy)
 
     def engine_options(self, *, hires: bool, seed: int) -> dict[str, Any]:
-        """Keyword arguments of ``tome_core.apply_patch`` for one sampling pass."""
-        return dict(ratio=self.pass_ratio(hires), max_downsample=self.max_downsample, sx=self.sx, sy=self.sy,
-                    use_rand=self.use_rand, merge_crossattn=self.merge_crossattn, merge_mlp=self.merge_mlp,
-                    method=self.method, todo_factor=self.todo_factor, todo_pool=self.todo_pool,
-                    step_start=self.step_start, step_end=self.step_end, seed=seed,
-                    local_replan=self.local_replan, size_weighted_keys=self.keys_size_weighted())
+        """Keyword arguments of ``tome_core.apply_patch`` for one sampling pass: every parameter the engine
+        reads, each "Auto" resolved for the method, the pass's ratio, and the batch's seed."""
+        used = replace(self.effective(), ratio=self.pass_ratio(hires))
+        return {**{p.key: getattr(used, p.key) for p in PARAMS if p.engine}, "seed": seed}
 
     # -- derived settings ----------------------------------------------------------------------------------
 

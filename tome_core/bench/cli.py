@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from tome_core.options import MAX_TODO_FACTOR, ratio_cap
+from tome_core.options import MAX_RATIO, MAX_TODO_FACTOR, ratio_cap
 
 from . import archs, jobs
 from .archs import top_grid
@@ -185,8 +185,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.todo_factors is None:
         args.todo_factors = [2, 3, 4] if trained else [2]
     for ratio in args.ratios:
-        if not 0.0 <= ratio < 1.0:  # also refuses nan
-            raise UsageError(f"--ratios {ratio:g}: a merge ratio must lie in [0, 1)")
+        if not 0.0 <= ratio <= MAX_RATIO:  # also refuses nan
+            raise UsageError(f"--ratios {ratio:g}: a merge ratio must lie in [0, {MAX_RATIO:g}]")
     for factor in args.todo_factors:
         if not 2 <= factor <= MAX_TODO_FACTOR:
             raise UsageError(f"--todo-factors {factor}: a ToDo factor must be a whole number from 2 to "
