@@ -173,7 +173,7 @@ def test_api_bad_value_gives_an_image_without_tome(fresh, capsys, args, words):
 
 
 def test_api_unknown_script_name_is_422(fresh):
-    from webui_double.host import HTTPError
+    from doubles_shared import HTTPError
 
     with pytest.raises(HTTPError) as caught:
         api(fresh, {"alwayson_scripts": {"token merging": {"args": [True]}}})

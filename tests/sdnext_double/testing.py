@@ -8,7 +8,6 @@ the test in ``host.calls``, and afterwards checks that no hook raised and that t
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -16,6 +15,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from doubles_shared import imported_afresh
 from sdnext_double import SDNEXT_DOUBLE_DIR
 
 EXTENSION_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -120,27 +120,10 @@ class Host:
         return self.sdnext.api("img2img", request)
 
 
-@contextmanager
-def sdnext_modules() -> Iterator[None]:
+def sdnext_modules():
     """``modules`` (and the extension's ``scripts`` package) imported afresh from the SD.Next double, and the
     ones imported before put back afterwards."""
-    owned = ("modules", "scripts", "sdnext_double.host")
-
-    def ours(name: str) -> bool:
-        return any(name == o or name.startswith(o + ".") for o in owned)
-
-    saved = {name: module for name, module in sys.modules.items() if ours(name)}
-    saved_path = list(sys.path)
-    for name in saved:
-        del sys.modules[name]
-    sys.path.insert(0, SDNEXT_DOUBLE_DIR)
-    try:
-        yield
-    finally:
-        for name in [n for n in sys.modules if ours(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        sys.path[:] = saved_path
+    return imported_afresh(("modules", "scripts", "sdnext_double.host"), [SDNEXT_DOUBLE_DIR])
 
 
 @contextmanager

@@ -13,16 +13,11 @@ from typing import Any
 
 import gradio as gr
 
+from doubles_shared import HTTPError
 from modules import infotext_utils, processing, script_callbacks, scripts
 
 BUILTIN_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_scripts")
 TABS = ("txt2img", "img2img")
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(f"{status}: {detail}")
-        self.status = status
 
 
 class Webui:

@@ -9,7 +9,6 @@ of the test in ``host.calls``, and afterwards checks that no hook raised and tha
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 import forge_double
+from doubles_shared import imported_afresh
 import reforge_double
 import webui_double
 
@@ -145,30 +145,16 @@ class _NotAUnet(torch.nn.Module):
         return x
 
 
-@contextmanager
-def webui_modules(flavour: str) -> Iterator[None]:
+def webui_modules(flavour: str):
     """``modules`` (and the extension's own script modules) imported afresh from the double of ``flavour``,
     and the ones imported before put back afterwards."""
-    owned = ("modules", "scripts", "webui_double.host")
+    def install() -> None:
+        forge_double.install_backend()
+        reforge_double.install()
 
-    def ours(name: str) -> bool:
-        return any(name == o or name.startswith(o + ".") for o in owned)
-
-    saved = {name: module for name, module in sys.modules.items() if ours(name)}
-    saved_path = list(sys.path)
-    for name in saved:
-        del sys.modules[name]
     first = [] if flavour == "a1111" else [forge_double.FORGE_DOUBLE_DIR]
-    sys.path[:] = first + [d for d in sys.path if d != forge_double.FORGE_DOUBLE_DIR]
-    forge_double.install_backend()
-    reforge_double.install()
-    try:
-        yield
-    finally:
-        for name in [n for n in sys.modules if ours(n)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
-        sys.path[:] = saved_path
+    return imported_afresh(("modules", "scripts", "webui_double.host"), first, (forge_double.FORGE_DOUBLE_DIR,),
+                           install)
 
 
 @contextmanager

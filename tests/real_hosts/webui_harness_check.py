@@ -1,11 +1,12 @@
-"""Checks the extension in a running real A1111 webui, Forge, reForge or Forge Classic over its HTTP API (not a
-pytest test: it needs the server).
+"""Checks the extension in a running real A1111 webui, Forge, Forge Neo, reForge or Forge Classic over its HTTP
+API (not a pytest test: it needs the server).
 
-Start the host (``../shared/harness/start.sh``, or ``forge/``, ``reforge/``, ``forge-classic/``) with this
-repository linked as an extension and with a "unet failer" always-on script (``FAILER`` below: args [true] make
-the ldm U-Net raise at its 2nd call of the job) for the failure check, then::
+Start the host (``../shared/harness/start.sh``, or ``forge/``, ``forge-neo/``, ``reforge/``, ``forge-classic/``)
+with this repository linked as an extension and with ``tests/real_hosts/unet-failer`` linked as another (an
+always-on script, ``FAILER`` below: args [true] make the U-Net raise at its 2nd call of the job) for the
+failure check, then::
 
-    python3 tests/webui_harness_check.py [--url http://127.0.0.1:7861] [--log .../run/a1111.log]
+    python3 tests/real_hosts/webui_harness_check.py [--url http://127.0.0.1:7861] [--log .../run/a1111.log]
 
 Prints one line per check (the pixels' md5, the infotext's ToMe entries, the console lines the job printed)
 and exits 1 if a check fails. Standard library only; the server side of the helpers is shared with

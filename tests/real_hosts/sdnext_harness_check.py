@@ -1,9 +1,9 @@
 """Checks the extension in a running real SD.Next over its HTTP API (not a pytest test: it needs the server).
 
-Start SD.Next with this repository linked as an extension, and with the harness's "unet failer" extension
-(see ``FAILER`` below) for the failure check, then::
+Start SD.Next with this repository linked as an extension, and with ``tests/real_hosts/unet-failer`` linked as
+another (``FAILER`` below) for the failure check, then::
 
-    python3 tests/sdnext_harness_check.py [--url http://127.0.0.1:7865] [--log .../run/sdnext.log]
+    python3 tests/real_hosts/sdnext_harness_check.py [--url http://127.0.0.1:7865] [--log .../run/sdnext.log]
 
 Prints one line per check (the pixels' md5, the infotext's ToMe entries, the console lines the job printed)
 and exits 1 if a check fails. Standard library only. Pixels are compared by the md5 of the PNG's decoded
