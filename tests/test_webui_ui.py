@@ -223,3 +223,28 @@ def test_the_ui_module_names_every_parameter_of_the_table_once():
     listed = re.search(r"order \(the same in\s+both tabs.*?\)::\n\n(.*?)\n\n", ast.get_docstring(tree), re.S)
     assert listed is not None
     assert [word.strip() for word in listed.group(1).replace("\n", " ").split(",")] == list(tm.KEYS)
+
+
+def test_the_script_names_no_host_and_every_host_answers_the_same_questions(host):
+    """Host differences live in ``tokenmerge_hosts.HOSTS``: the Script's code names no host class or entry,
+    and every entry answers every question the Script asks (so adding a host is adding an entry)."""
+    import ast
+
+    hosts_source = open(os.path.join(EXTENSION_DIR, "scripts", "tokenmerge_hosts.py"), encoding="utf-8").read()
+    host_classes = {node.name for node in ast.walk(ast.parse(hosts_source)) if isinstance(node, ast.ClassDef)}
+    assert {"Host", "A1111", "Forge", "ForgeClassicFamily", "SDNext"} <= host_classes
+    ui = ast.parse(open(os.path.join(EXTENSION_DIR, "scripts", "tokenmerge_ui.py"), encoding="utf-8").read())
+    names = {node.id for node in ast.walk(ui) if isinstance(node, ast.Name)}
+    names |= {alias.name for node in ast.walk(ui) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert names & host_classes <= {"Host"}  # the type, in annotations
+    assert not {name for name in names if name.isupper() and name.endswith("_HOST")}
+    asked = {node.attr for node in ast.walk(ui) if isinstance(node, ast.Attribute)
+             and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") in ("current_host",
+                                                                                         "page_host")}
+    asked |= {"unet", "unsupported_reason", "take_over_token_merging", "is_hires_pass", "pass_length"}
+    assert {"links_input_accordion", "paste_takes_updates", "calls_pass_hooks"} & asked
+    import scripts.tokenmerge_hosts as hosts
+
+    for entry in hosts.HOSTS:
+        assert all(hasattr(entry, question) for question in asked), type(entry).__name__
+    assert isinstance(hosts.HOSTS[-1], hosts.A1111) and hosts.HOSTS[-1].recognises(object())
