@@ -51,6 +51,22 @@ def xyz_args(s: Server, label: str, values: str | list[str]) -> list | None:
     return None
 
 
+def check_builtin(s: Server, plain: dict, tome: dict) -> None:
+    """The host's built-in token merging (``token_merging_ratio``, through the request's override_settings): it
+    changes the pixels alone; with the accordion on as well it is set aside for the job (one console line, the
+    pixels of ToMe alone, no built-in entry in the infotext); and the plain pixels come back after it."""
+    builtin = {"override_settings": {"token_merging_ratio": 0.5}}
+    alone = s.generate(**builtin)
+    check("built-in token merging alone", alone["md5"] not in (None, plain["md5"], tome["md5"])
+          and "Token merging ratio: 0.5" in alone["info"], describe(alone))
+    both = s.generate(tome=[{"enabled": True, "ratio": 0.5}], **builtin)
+    check("built-in set aside for the accordion", both["md5"] == tome["md5"] and len(both["lines"]) == 1
+          and "built-in token merging (token_merging_ratio=0.5) is off" in both["lines"][0]
+          and "Token merging ratio" not in both["info"], describe(both))
+    after = s.generate()
+    check("plain after the built-in: the plain pixels", after["md5"] == plain["md5"], describe(after))
+
+
 def check_hypertile(s: Server) -> None:
     """The A1111 WebUI's built-in Hypertile (its forward set on every attention layer): ToMe sets it aside on
     the layers it merges, with size-weighted keys on (ToMe's Auto, whose attention there is its own forward),
@@ -84,6 +100,7 @@ def main() -> int:
     check("size-weighted keys (Local 0.25)", weighted["md5"] not in (None, plain["md5"], unweighted["md5"])
           and weighted["keys"].get("ToMe size-weighted keys") == "True", describe(weighted))
 
+    check_builtin(s, plain, tome)
     check_hires(s, plain, hires)
 
     odd = s.generate(tome=[{"enabled": True, "ratio": 0.5}], width=136, height=72)
