@@ -10,7 +10,7 @@ import torch
 
 import tome_core
 from tome_core.bench import archs, checkpoint, cli, jobs
-from tome_core.bench.checkpoint import CheckpointError
+from tome_core.bench.tensorfile import CheckpointError
 from tome_core.bench.contenders import Wrapped, roster
 from tome_core.bench.fidelity import sample_pictures
 from tome_core.bench.metrics import psnr, ssim

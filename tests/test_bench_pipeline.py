@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tome_core.bench import archs, textenc
-from tome_core.bench.checkpoint import CheckpointError, at_size, load_pipeline, predicts_velocity
+from tome_core.bench.checkpoint import at_size, load_pipeline, predicts_velocity
 from tome_core.bench.pipeline import sd_alphas_cumprod
 from tome_core.bench.sampling import euler_sample
+from tome_core.bench.tensorfile import CheckpointError
 from unets import randomize_zero_layers
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -483,7 +484,7 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_problem(tmp_path, files
 def test_safetensors_are_read_as_safetensors_reads_them(tmp_path):
     from safetensors.torch import load_file
 
-    from tome_core.bench.checkpoint import TensorFile
+    from tome_core.bench.tensorfile import TensorFile
 
     tensors = {"a": torch.randn(3, 4).half(), "b": torch.randn(5).bfloat16(), "c": torch.arange(77)[None],
                "d": torch.randn(2, 2, 1, 1, dtype=torch.float64), "e": torch.zeros(0, 3), "f": torch.tensor(True)}

@@ -191,8 +191,6 @@ def build_diffusers_unet(cfg: dict, device: torch.device, dtype: torch.dtype, wi
         from diffusers import UNet2DConditionModel
     except ImportError:
         raise SystemExit("the -diffusers architectures need diffusers: pip install diffusers") from None
-    from .diffusers_folder import DiffusersCall
-
     channels = scaled_channels(cfg["model_channels"], width)
     widths = [channels * m for m in cfg["channel_mult"]]
     attention = [2 ** i in cfg["attention_resolutions"] for i in range(len(widths))]
@@ -205,6 +203,34 @@ def build_diffusers_unet(cfg: dict, device: torch.device, dtype: torch.dtype, wi
                                     cross_attention_dim=cfg["context_dim"],
                                     use_linear_projection=cfg["use_linear_in_transformer"])
     return DiffusersCall(unet.to(device=device, dtype=dtype).eval()), cfg["context_dim"]
+
+
+class DiffusersCall(nn.Module):
+    """A diffusers ``UNet2DConditionModel`` called as the benchmark calls ldm's U-Net:
+    ``(x (B, 4, h, w), timesteps (B,), context=(B, T, C)) -> (B, 4, h, w)``.
+
+    It holds the U-Net as ``diffusion_model``, where ``tome_core.resolve_unet`` (and so every contender) finds
+    it. SDXL's added conditioning is its pooled empty prompt and the size being sampled (original and target
+    size the image's, no crop), as diffusers' pipeline sets it by default.
+    """
+
+    def __init__(self, unet: nn.Module, pooled: torch.Tensor | None = None, downscale: int = 8) -> None:
+        super().__init__()
+        self.diffusion_model = unet
+        self.pooled = pooled  # (1, P) for SDXL, else None
+        self.downscale = downscale  # image pixels per latent cell
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor | None = None,
+                y: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(context, (list, tuple)):  # ldm's per-depth contexts: diffusers takes one for all blocks
+            context = context[0]
+        kwargs = {}
+        if self.pooled is not None:
+            b, h, w = x.shape[0], x.shape[-2] * self.downscale, x.shape[-1] * self.downscale
+            ids = torch.tensor([[h, w, 0, 0, h, w]], device=x.device, dtype=x.dtype).expand(b, 6)
+            kwargs["added_cond_kwargs"] = {"text_embeds": self.pooled.to(x.device, x.dtype).expand(b, -1),
+                                           "time_ids": ids}
+        return self.diffusion_model(x, timesteps, encoder_hidden_states=context, **kwargs).sample
 
 
 def in_run_dtype(unet: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -229,6 +255,20 @@ def trim_depths(unet: nn.Module, depths: dict[int, int]) -> None:
     for _, transformer, level in transformer_levels(unet):
         keep = depths.get(level, len(transformer.transformer_blocks))
         transformer.transformer_blocks = transformer.transformer_blocks[:keep]
+
+
+def context_as_list(depth: int):
+    """A forward pre-hook giving ldm's U-Net a context per transformer depth when it is called with one tensor:
+    ldm's SpatialTransformer indexes a list of contexts by block, and SDXL has up to 10 blocks per level."""
+
+    def hook(module, args, kwargs):
+        if isinstance(kwargs.get("context"), torch.Tensor):
+            kwargs = dict(kwargs, context=[kwargs["context"]] * depth)
+        elif len(args) > 2 and isinstance(args[2], torch.Tensor):  # unet(x, timesteps, context)
+            args = (*args[:2], [args[2]] * depth, *args[3:])
+        return args, kwargs
+
+    return hook
 
 
 def unet_depth(unet: nn.Module) -> int:

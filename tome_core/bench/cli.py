@@ -28,11 +28,12 @@ from tome_core.options import MAX_RATIO, MAX_TODO_FACTOR, ratio_cap
 
 from . import archs, jobs
 from .archs import top_grid
-from .checkpoint import CheckpointError
+from .tensorfile import CheckpointError
 from .jobs import CHEAP_ROUNDS, STRIDE, Setup, dtype_name, hardware
 from .pipeline import Pipeline
 from .probes import merge_overhead, peak_memory, peak_memory_child
 from .report import Case, Load, case_timings, find_busy, ms_cell, table
+from .tensorfile import CheckpointError
 from .timing import CpuWatch, progress_bar
 
 PROG = "python -m tome_core.bench"

@@ -12,45 +12,18 @@ import json
 import os
 
 import torch
-from torch import nn
 
-from .checkpoint import CheckpointError
+from .archs import DiffusersCall
 from .pipeline import Pipeline
+from .tensorfile import CheckpointError
 
 INDEX = "model_index.json"
 TEXT_TO_IMAGE = ("StableDiffusionPipeline", "StableDiffusionXLPipeline")
 
 
 def is_diffusers_folder(path: str) -> bool:
+    """Whether ``path`` is a folder holding a diffusers ``model_index.json``."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX))
-
-
-class DiffusersCall(nn.Module):
-    """A diffusers ``UNet2DConditionModel`` called as the benchmark calls ldm's U-Net:
-    ``(x (B, 4, h, w), timesteps (B,), context=(B, T, C)) -> (B, 4, h, w)``.
-
-    It holds the U-Net as ``diffusion_model``, where ``tome_core.resolve_unet`` (and so every contender) finds
-    it. SDXL's added conditioning is its pooled empty prompt and the size being sampled (original and target
-    size the image's, no crop), as diffusers' pipeline sets it by default.
-    """
-
-    def __init__(self, unet: nn.Module, pooled: torch.Tensor | None = None, downscale: int = 8) -> None:
-        super().__init__()
-        self.diffusion_model = unet
-        self.pooled = pooled  # (1, P) for SDXL, else None
-        self.downscale = downscale  # image pixels per latent cell
-
-    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor | None = None,
-                y: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(context, (list, tuple)):  # ldm's per-depth contexts: diffusers takes one for all blocks
-            context = context[0]
-        kwargs = {}
-        if self.pooled is not None:
-            b, h, w = x.shape[0], x.shape[-2] * self.downscale, x.shape[-1] * self.downscale
-            ids = torch.tensor([[h, w, 0, 0, h, w]], device=x.device, dtype=x.dtype).expand(b, 6)
-            kwargs["added_cond_kwargs"] = {"text_embeds": self.pooled.to(x.device, x.dtype).expand(b, -1),
-                                           "time_ids": ids}
-        return self.diffusion_model(x, timesteps, encoder_hidden_states=context, **kwargs).sample
 
 
 def load_pipeline(path: str, device: torch.device, dtype: torch.dtype, prediction: str = "auto") -> Pipeline:

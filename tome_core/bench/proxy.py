@@ -139,7 +139,7 @@ def build_proxy_unet(seed: int = 0, layout: str = "sd15") -> nn.Module:
     Takes x (B, 3, h, w) with h, w multiples of 8 (SDXL's layout: 4), timesteps (B,) and context (B, T, 32);
     returns (B, 3, h, w).
     """
-    from .archs import require_ldm, trim_depths
+    from .archs import context_as_list, require_ldm, trim_depths
 
     require_ldm()
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
@@ -151,8 +151,6 @@ def build_proxy_unet(seed: int = 0, layout: str = "sd15") -> nn.Module:
         torch.manual_seed(seed)
         unet = UNetModel(**spec.arch)
     if spec.depths is not None:
-        from .checkpoint import context_as_list
-
         trim_depths(unet, spec.depths)
         # ldm's SpatialTransformer takes one context per block: a deep stack needs them as a list.
         unet.register_forward_pre_hook(context_as_list(max(spec.depths.values())), with_kwargs=True)
