@@ -126,9 +126,9 @@ def test_entry_points_answer_help(module):
     assert done.returncode == 0 and "--repeats" in done.stdout
 
 
-@pytest.mark.parametrize("module", ["archs", "checkpoint", "pipeline", "sampling", "contenders", "timing", "metrics",
-                                    "spread", "opcount", "report", "stepwise", "fidelity", "replicate", "sheet",
-                                    "chart", "probes", "jobs", "cli", "gpucheck"])
+@pytest.mark.parametrize("module", ["archs", "tensorfile", "checkpoint", "diffusers_folder", "pipeline", "sampling",
+                                    "contenders", "timing", "metrics", "spread", "opcount", "report", "stepwise",
+                                    "fidelity", "replicate", "sheet", "chart", "probes", "jobs", "cli", "gpucheck"])
 def test_each_bench_module_imports_alone_without_ldm(module):
     # A fresh interpreter per module: an import cycle shows only when a module of the cycle is imported first.
     code = (f"import sys, tome_core.bench.{module}; "

@@ -7,12 +7,16 @@ when installed, ``tomesd``, ``tqdm``, ``matplotlib``) while it runs; checkpoints
 ``tome_core``) never imports this package.
 
 Modules, by concern (each imports only those listed before it):
-    archs       the webui's U-Net architectures with SDP attention, random weights, any width scale
+    archs       the webui's U-Net architectures with SDP attention, random weights, any width scale; the adapters
+                that call a deep-stack ldm U-Net or a diffusers one as the benchmark calls ldm's
     pipeline    what a fidelity run samples with: U-Net, empty-prompt conditioning, schedule, decoder
     sampling    a short deterministic Euler run on a pipeline
     textenc     a checkpoint's text encoders (CLIP ViT-L, OpenCLIP ViT-H/bigG) for the empty prompt
     vae         a checkpoint's VAE decoder
+    tensorfile  a checkpoint file's tensors, read a part at a time (safetensors or pickle), and the one-line
+                refusal of a file it cannot use
     checkpoint  a real checkpoint read off its tensors: its U-Net, or the whole model as a pipeline
+    diffusers_folder  a diffusers model folder as a pipeline
     contenders  what is raced: none, ToMe, ToDo, Local, tomesd at each setting, and the ideals (attention on fewer
                 tokens, chosen free; or every query on fewer keys and values)
     timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
