@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tome_core.bench import archs, cli, gpucheck, jobs
+from tome_core.bench import archs, arguments, cli, gpucheck, jobs, runs
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,7 @@ def nothing_is_timed(monkeypatch):
         raise AssertionError("timing started")
 
     monkeypatch.setattr(jobs, "model_timer", refuse)
-    monkeypatch.setattr(cli, "merge_overhead", refuse)
+    monkeypatch.setattr(runs, "merge_overhead", refuse)
     monkeypatch.setattr(archs, "build_unet", refuse)
     monkeypatch.setattr(jobs, "sample_pictures", refuse)
 
@@ -128,7 +128,8 @@ def test_entry_points_answer_help(module):
 
 @pytest.mark.parametrize("module", ["archs", "tensorfile", "checkpoint", "diffusers_folder", "pipeline", "sampling",
                                     "contenders", "timing", "metrics", "spread", "opcount", "report", "stepwise",
-                                    "fidelity", "replicate", "sheet", "chart", "probes", "jobs", "cli", "gpucheck"])
+                                    "fidelity", "replicate", "sheet", "chart", "probes", "jobs", "arguments",
+                                    "loading", "runs", "cli", "gpucheck"])
 def test_each_bench_module_imports_alone_without_ldm(module):
     # A fresh interpreter per module: an import cycle shows only when a module of the cycle is imported first.
     code = (f"import sys, tome_core.bench.{module}; "
@@ -169,7 +170,7 @@ else:
 # -- what a new user meets first ---------------------------------------------------------------------------------
 
 def test_help_opens_with_what_the_tool_does_and_every_option_says_what_it_is():
-    parser = cli.build_parser()
+    parser = arguments.build_parser()
     assert "`" not in parser.description and "python -m" not in parser.description
     undocumented = [a.option_strings for a in parser._actions if a.help is None]
     assert undocumented == []
@@ -183,7 +184,7 @@ def test_help_opens_with_what_the_tool_does_and_every_option_says_what_it_is():
 def test_the_pictures_the_default_run_writes_are_ignored_by_git():
     if not os.path.exists(os.path.join(ROOT, ".git")):
         pytest.skip("not a git checkout")
-    names = [cli.DEFAULT_SHEET, "tradeoff.png", "speedup.png", "tome-fidelity-64px.png"]
+    names = [arguments.DEFAULT_SHEET, "tradeoff.png", "speedup.png", "tome-fidelity-64px.png"]
     done = subprocess.run(["git", "check-ignore", *names], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.split() == names
     # Only at the top: the pictures the docs show (docs/images) stay tracked.
@@ -221,7 +222,7 @@ def test_a_safetensors_file_of_another_kind_is_refused_briefly_without_pointing_
 
 @pytest.mark.parametrize("threads, suggested", [(None, True), (2, True), (1, False)])
 def test_the_busy_hint_suggests_one_thread_only_to_a_run_that_used_more(threads, suggested):
-    args = cli.parse_args(["--models", "sd15", "--threads", str(threads)] if threads else ["--models", "sd15"])
-    hint = cli.steadier_hint(args)
+    args = arguments.parse_args(["--models", "sd15", "--threads", str(threads)] if threads else ["--models", "sd15"])
+    hint = runs.steadier_hint(args)
     assert "--repeats 6" in hint
     assert ("--threads 1" in hint) is suggested

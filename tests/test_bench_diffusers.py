@@ -12,8 +12,8 @@ import torch
 import tome_core
 from diffusers_unets import diffusers_unet
 from tome_core.bench import cli, diffusers_folder, jobs
-from tome_core.bench.tensorfile import CheckpointError
 from tome_core.bench.sampling import euler_sample
+from tome_core.bench.tensorfile import CheckpointError
 from unets import CONTEXT_DIM
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import tome_core
-from tome_core.bench import archs, checkpoint, cli, jobs
-from tome_core.bench.tensorfile import CheckpointError
+from tome_core.bench import archs, checkpoint, cli, jobs, runs
 from tome_core.bench.contenders import Wrapped, roster
 from tome_core.bench.fidelity import sample_pictures
 from tome_core.bench.metrics import psnr, ssim
@@ -18,6 +17,7 @@ from tome_core.bench.opcount import added_cost, count_ops, ops_per_block
 from tome_core.bench.report import Case, Entry, Fidelity
 from tome_core.bench.sheet import case_rows, sheet_size, tile_side, write_case_sheet
 from tome_core.bench.stepwise import step_errors
+from tome_core.bench.tensorfile import CheckpointError
 from bench_stand_ins import install_proxy, stand_in_pipeline
 from unets import inputs, tiny_unet
 
@@ -272,7 +272,7 @@ def nothing_runs(monkeypatch):
         raise AssertionError("started")
 
     for module, name in ((jobs, "model_timer"), (jobs, "sample_pictures"), (jobs, "count_ops"),
-                         (archs, "build_unet"), (cli, "merge_overhead")):
+                         (archs, "build_unet"), (runs, "merge_overhead")):
         monkeypatch.setattr(module, name, refuse)
 
 
@@ -333,9 +333,9 @@ def test_the_gpu_check_measures_fidelity_on_the_proxy(monkeypatch, capsys, stead
 
 
 def test_the_gpu_check_says_when_there_is_no_proxy(monkeypatch, capsys):
-    from tome_core.bench import cli, gpucheck
+    from tome_core.bench import gpucheck
 
-    monkeypatch.setattr(cli, "load_proxy_pipeline", lambda device, dtype: None)
+    monkeypatch.setattr(gpucheck, "load_proxy_pipeline", lambda device, dtype: None)
     gpucheck.proxy_fidelity(gpucheck.parse_args(["--device", "cpu"]), torch.device("cpu"), torch.float32)
     assert "no fidelity figure" in capsys.readouterr().out
 

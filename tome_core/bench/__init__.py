@@ -22,6 +22,7 @@ Modules, by concern (each imports only those listed before it):
     timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
     metrics     PSNR and SSIM of pictures in [0, 1]
     spread      a figure over images or models: each value, the median, the range
+    macs        multiply-adds a call computes
     opcount     operations a patched transformer block dispatches
     report      markdown tables (speed, share of the ideal's gain, PSNR, SSIM, step dB, ops per block, one line
                 per method and setting) and the busy-machine warning
@@ -33,9 +34,14 @@ Modules, by concern (each imports only those listed before it):
     chart       speed-up against PSNR and step dB per method and setting (speed-ups alone for random weights)
     probes      the merge's own cost: time and peak memory of find + merge + unmerge
     jobs        the measurements: a whole U-Net step, one top transformer, a trained model's speed and fidelity
-    cli         arguments and their validation, the main job (``python -m tome_core.bench``)
-    gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
     proxy       the shipped proxy models (small pixel-space U-Nets trained on photographs from three seeds) for
                 fidelity runs without a checkpoint: ``load_proxy()``, ``python -m tome_core.bench.proxy
                 train|samples``
+    arguments   the command line's parser, the validation of its arguments, the one-line refusal (UsageError)
+    loading     the device, and the trained models to measure (checkpoint, diffusers folder, proxies), each
+                checked against the sizes it is run at
+    runs        the two kinds of run (trained models: speed and fidelity; architectures: speed only) and the
+                lines that close them (load, busy-machine warning)
+    cli         ``main()``: ``python -m tome_core.bench``
+    gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
 """

@@ -28,10 +28,12 @@ import tome_core
 
 from . import archs
 from .archs import top_grid
-from .cli import RANDOM_NOTE, OneLineParser, UsageError, load_line, pick_device
+from .arguments import OneLineParser, UsageError
 from .contenders import Wrapped, roster
-from .jobs import Setup, contender_names, dtype_name, entries, hardware, race, roster_size
+from .jobs import Setup, bench_pipeline, contender_names, dtype_name, entries, hardware, race, roster_size
+from .loading import default_sizes, load_proxy_pipeline, pick_device
 from .report import Case, case_lines, case_timings, find_busy, table, table_head
+from .runs import RANDOM_NOTE, fidelity_note, load_line
 from .timing import progress_bar
 
 PROG = "python -m tome_core.gpucheck"
@@ -217,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
 def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
     """Speed and fidelity of every method on the shipped proxy at its evaluation size: the trained model's
     counterpart of the random-weight table above (a few seconds on a GPU)."""
-    from .cli import default_sizes, fidelity_note, load_proxy_pipeline
-    from .jobs import bench_pipeline
-
     try:
         pipe = load_proxy_pipeline(device, dtype)
     except UsageError as error:
