@@ -129,7 +129,7 @@ def test_entry_points_answer_help(module):
 @pytest.mark.parametrize("module", ["archs", "tensorfile", "checkpoint", "diffusers_folder", "pipeline", "sampling",
                                     "contenders", "timing", "metrics", "spread", "opcount", "report", "stepwise",
                                     "fidelity", "replicate", "sheet", "chart", "probes", "jobs", "arguments",
-                                    "loading", "runs", "cli", "gpucheck"])
+                                    "loading", "runs", "cli", "gpucheck", "proxy", "proxy.training"])
 def test_each_bench_module_imports_alone_without_ldm(module):
     # A fresh interpreter per module: an import cycle shows only when a module of the cycle is imported first.
     code = (f"import sys, tome_core.bench.{module}; "

@@ -18,7 +18,8 @@ import torch
 import tome_core
 import tome_core.patch
 from tome_core.bench import proxy
-from tome_core.bench.pipeline import Pipeline
+from tome_core.bench.pipeline import Pipeline, sd_alphas_cumprod
+from tome_core.bench.proxy import training
 from tome_core.bench.contenders import Contender
 from tome_core.bench.sampling import euler_sample
 from tome_core.bench.stepwise import reference_trajectory, step_errors
@@ -58,13 +59,13 @@ def each_shipped(request) -> tuple[str, Pipeline]:
 @pytest.fixture(scope="module")
 def held_out() -> torch.Tensor:
     """(CROPS, 3, 64, 64) crops of photographs the model never saw."""
-    return proxy.held_out_crops(CROPS, proxy.EVAL_SIZE)
+    return training.held_out_crops(CROPS, proxy.EVAL_SIZE)
 
 
 def _noised(x0: torch.Tensor, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.full((x0.shape[0],), T_MODERATE)
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
-    return proxy.noised(x0, t, noise, proxy.sd_alphas_cumprod().float()), t
+    return training.noised(x0, t, noise, sd_alphas_cumprod().float()), t
 
 
 def _predict(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -272,19 +273,20 @@ def test_samples_look_like_pictures_not_noise(pipe, held_out):
 
 
 def test_training_is_deterministic_and_runs_end_to_end(tmp_path):
-    images = [proxy.load_photographs(("coffee",))[0][:, :96, :128], torch.linspace(-1, 1, 3 * 48 * 64).view(3, 48, 64)]
-    config = proxy.TrainConfig(seed=5, stages=((16, 2, 2), (32, 1, 1)), warmup=1)
+    images = [training.load_photographs(("coffee",))[0][:, :96, :128],
+              torch.linspace(-1, 1, 3 * 48 * 64).view(3, 48, 64)]
+    config = training.TrainConfig(seed=5, stages=((16, 2, 2), (32, 1, 1)), warmup=1)
     logs: list[str] = []
-    first = proxy.train(config, images, log=logs.append)
-    second = proxy.train(config, images, log=logs.append)
-    other = proxy.train(proxy.TrainConfig(seed=6, stages=config.stages, warmup=1), images, log=logs.append)
+    first = training.train(config, images, log=logs.append)
+    second = training.train(config, images, log=logs.append)
+    other = training.train(training.TrainConfig(seed=6, stages=config.stages, warmup=1), images, log=logs.append)
     assert first.keys() == second.keys() and "context" in first
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert not all(torch.equal(first[k], other[k]) for k in first)
     assert any("loss" in line for line in logs)
 
     path = str(tmp_path / "tiny.safetensors")
-    proxy.save_weights(first, path, {"seed": "5"})
+    training.save_weights(first, path, {"seed": "5"})
     tiny = proxy.load_proxy(path=path)
     noise = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     sample = euler_sample(tiny, noise, steps=2)
@@ -352,10 +354,10 @@ def test_sdxl_layout_proxies_predict_the_noise_and_stack_merging_moves_them_with
     """On held-out photographs the trained model's noise prediction is far better than none (predicting zero);
     Stack at levels 4 (both attention levels) moves it more as the ratio rises."""
     _, pipe = each_sdxl
-    x0 = proxy.held_out_crops(2, 128)
+    x0 = training.held_out_crops(2, 128)
     t = torch.full((2,), T_MODERATE)
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(7))
-    x = proxy.noised(x0, t, noise, proxy.sd_alphas_cumprod().float())
+    x = training.noised(x0, t, noise, sd_alphas_cumprod().float())
     base = _predict(pipe, x, t)
     assert (base - noise).pow(2).mean() < 0.3 * noise.pow(2).mean()
     changes = []

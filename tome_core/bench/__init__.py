@@ -35,8 +35,9 @@ Modules, by concern (each imports only those listed before it):
     probes      the merge's own cost: time and peak memory of find + merge + unmerge
     jobs        the measurements: a whole U-Net step, one top transformer, a trained model's speed and fidelity
     proxy       the shipped proxy models (small pixel-space U-Nets trained on photographs from three seeds) for
-                fidelity runs without a checkpoint: ``load_proxy()``, ``python -m tome_core.bench.proxy
-                train|samples``
+                fidelity runs without a checkpoint: their layouts, building one, ``load_proxy()``
+    proxy.training  how the proxies were made: the photographs, the crops, the training loop, the saved file
+    proxy.__main__  ``python -m tome_core.bench.proxy train|samples``
     arguments   the command line's parser, the validation of its arguments, the one-line refusal (UsageError)
     loading     the device, and the trained models to measure (checkpoint, diffusers folder, proxies), each
                 checked against the sizes it is run at

@@ -1,0 +1,224 @@
+"""The shipped proxy model: a small SD 1.x-layout U-Net trained here on real photographs, in pixel space.
+
+Why it exists: a fidelity figure (the same sampling run with and without a merging method, final pictures
+compared) needs a model whose tokens carry an image's redundancy. Random weights do not (ToMe moved their
+output as much on photographs as on Gaussian noise), and a user's checkpoint is not always at hand. This model
+is a proxy that ranks methods, not an FID: its pictures are 64×64 px textures in photographs' colours, not SD's
+images, and merging moves it far less than it moves SD (PSNR in the 40s of dB at ratio 0.5), so its fidelity
+figures order methods and ratios; they do not predict what a user will see.
+
+Layout: ldm's ``UNetModel`` as SD 1.x builds it (SpatialTransformers with one BasicTransformerBlock at
+downsampling 1, 2 and 4, none in the lowest level's input/output blocks, one in the middle block; conv 1×1
+projections; fixed head count), at small widths, taking and predicting 3-channel pixels in [-1, 1]. At 64×64 px
+its top level holds 4,096 tokens, as SD 1.5's does at 512×512 px. Its "empty prompt" is a learned (1, 4, 32)
+context stored with the weights, so cross-attention sees a fixed conditioning as in SD's unconditional pass.
+The SDXL layout (``LAYOUTS["sdxl"]``) has SDXL's attention levels at small widths.
+
+This package holds the model: its layouts, building it, loading the shipped (or given) weights as a sampling
+``Pipeline``. How the weights were made is ``training`` (``python -m tome_core.bench.proxy train --seed 0 --out
+FILE``: the photographs, the crops, the training loop, the saved file); the command line is ``__main__``.
+
+Loading (``load_proxy``) needs only torch, ldm and safetensors: the photograph packages are for training and
+tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..archs import context_as_list, in_run_dtype, require_ldm, trim_depths, use_webui_unet
+from ..pipeline import Pipeline
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the weights lie beside the bench modules
+WEIGHTS_FILE = os.path.join(HERE, "proxy_weights.safetensors")  # seed 0, the first of the shipped proxies
+# Every shipped proxy, each trained by ``train`` with the default stages from its own seed: the default run
+# measures fidelity on each, since one proxy's figures do not all replicate on another.
+SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(HERE, "proxy_weights_seed1.safetensors"),
+                   os.path.join(HERE, "proxy_weights_seed2.safetensors"))
+# The SDXL-layout proxies (``--layout sdxl``), seeds 0, 1 and 2: the default run races them after the others.
+SHIPPED_SDXL_WEIGHTS = tuple(os.path.join(HERE, f"proxy_weights_sdxl_seed{k}.safetensors") for k in range(3))
+
+
+def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl")) -> tuple[list[str], list[str]]:
+    """The shipped proxies' weight files of ``layouts`` that are here, and those that are not (each missing one
+    is made by ``train_command``)."""
+    files = (SHIPPED_WEIGHTS if "sd15" in layouts else ()) + (SHIPPED_SDXL_WEIGHTS if "sdxl" in layouts else ())
+    here = [p for p in files if os.path.isfile(p)]
+    return here, [p for p in files if p not in here]
+
+
+def train_command(path: str) -> str:
+    """The command that makes the shipped proxy file ``path`` again (its seed is its place in
+    ``SHIPPED_WEIGHTS`` or ``SHIPPED_SDXL_WEIGHTS``)."""
+    if path in SHIPPED_SDXL_WEIGHTS:
+        return (f"python -m tome_core.bench.proxy train --layout sdxl --seed {SHIPPED_SDXL_WEIGHTS.index(path)} "
+                f"--out {path}")
+    seed = SHIPPED_WEIGHTS.index(path) if path in SHIPPED_WEIGHTS else 0
+    return f"python -m tome_core.bench.proxy train --seed {seed} --out {path}"
+
+
+EVAL_SIZE = 64  # px per side at which fidelity runs and tests use the model: 4,096 tokens at the top level
+CONTEXT_TOKENS, CONTEXT_DIM = 4, 32
+
+# ldm UNetModel arguments: SD 1.x's layout (four levels, attention at downsampling 1, 2 and 4 and in the middle
+# block, none in the lowest level's input/output blocks, conv projections, a fixed number of heads) at 1/10 of
+# its width and one residual block per level instead of two: 3.8 M parameters (7.6 MB in float16), and a
+# training step cheap enough for a 30-minute CPU budget.
+PROXY_ARCH = dict(image_size=EVAL_SIZE, in_channels=3, out_channels=3, model_channels=32, channel_mult=[1, 2, 2, 4],
+                  num_res_blocks=1, attention_resolutions=[4, 2, 1], num_heads=2, use_spatial_transformer=True,
+                  transformer_depth=1, context_dim=CONTEXT_DIM, use_linear_in_transformer=False, legacy=False)
+
+# SDXL's layout at small widths, for methods that act at SDXL's levels: no attention at full resolution, two
+# blocks a transformer at downsampling 2 and a deep stack (ten, as SDXL's) at 4, linear projections, a fixed head
+# width; one residual block per level. At 128×128 px its attention levels hold 4,096 and 1,024 tokens, as
+# SDXL's do at 1024 px. Built at depth 10 and trimmed (``SDXL_PROXY_DEPTHS``), as the benchmark builds SDXL.
+SDXL_EVAL_SIZE = 128
+SDXL_PROXY_ARCH = dict(image_size=SDXL_EVAL_SIZE, in_channels=3, out_channels=3, model_channels=32,
+                       channel_mult=[1, 1, 2], num_res_blocks=1, attention_resolutions=[4, 2], num_head_channels=16,
+                       use_spatial_transformer=True, transformer_depth=10, context_dim=[CONTEXT_DIM] * 10,
+                       use_linear_in_transformer=True, legacy=False)
+SDXL_PROXY_DEPTHS = {1: 2, 2: 10}
+
+
+@dataclass(frozen=True)
+class ProxyLayout:
+    """One proxy architecture: ldm ``UNetModel`` arguments, per-level transformer depths (None: as built), the
+    evaluation size in px and the default training stages ((crop side px, steps, batch), run in order)."""
+
+    name: str
+    arch: dict
+    depths: dict | None
+    eval_size: int
+    stages: tuple[tuple[int, int, int], ...]
+
+
+LAYOUTS = {
+    # Most steps at 16 px (attention cost grows with the square of the tokens), then 32 px, then the evaluation
+    # size, so the top level's attention has seen 4,096 tokens: about an hour on one CPU thread. Half these
+    # steps (a quarter at 64 px) trained proxies that ordered the methods alike but whose figures lay nearly
+    # twice as far apart between seeds.
+    "sd15": ProxyLayout("sd15", PROXY_ARCH, None, EVAL_SIZE, ((16, 1600, 32), (32, 400, 16), (64, 160, 4))),
+    # SD 1.5's recipe one size up at every stage would take four hours; most steps stay small here and the
+    # last stage, at the evaluation size where the attention levels see 4,096 and 1,024 tokens, is short:
+    # about 26 minutes on one CPU thread.
+    "sdxl": ProxyLayout("sdxl", SDXL_PROXY_ARCH, SDXL_PROXY_DEPTHS, SDXL_EVAL_SIZE,
+                        ((32, 1200, 16), (64, 400, 4), (128, 80, 2))),
+}
+
+
+def layout_of(metadata: dict[str, str]) -> ProxyLayout:
+    """The layout a weight file's metadata names ("layout"; files from before SDXL's layout: SD 1.5's)."""
+    name = metadata.get("layout", "sd15")
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown proxy layout {name!r}; known: {', '.join(LAYOUTS)}")
+    return LAYOUTS[name]
+
+
+def build_proxy_unet(seed: int = 0, layout: str = "sd15") -> nn.Module:
+    """A freshly initialised proxy U-Net of ``layout`` (float32, CPU), its weights drawn from ``seed``.
+
+    Takes x (B, 3, h, w) with h, w multiples of 8 (SDXL's layout: 4), timesteps (B,) and context (B, T, 32);
+    returns (B, 3, h, w).
+    """
+    require_ldm()
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    spec = LAYOUTS[layout]
+    # ldm's layers draw their initial weights from the global generator: seed it, leaving the caller's state
+    # as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNetModel(**spec.arch)
+    if spec.depths is not None:
+        trim_depths(unet, spec.depths)
+        # ldm's SpatialTransformer takes one context per block: a deep stack needs them as a list.
+        unet.register_forward_pre_hook(context_as_list(max(spec.depths.values())), with_kwargs=True)
+    return unet
+
+
+def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               path: str | None = None) -> Pipeline:
+    """The shipped proxy as a ``Pipeline``: pixel space (channels 3, downscale 1), epsilon prediction, SD's
+    schedule, its learned empty-prompt context (1, 4, 32), and ``decode`` mapping (B, 3, h, w) in [-1, 1] to
+    [0, 1]. The U-Net runs as the webui runs ldm (SDP attention), in eval mode and without gradients, on
+    ``device`` in ``dtype``.
+
+    Reads ``path`` (default: ``WEIGHTS_FILE``, the first shipped proxy); raises FileNotFoundError with the
+    command that makes it when the file is missing.
+    """
+    path = path or WEIGHTS_FILE
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the proxy model's weights are missing: {path}. They ship with this extension; "
+                                f"restore the file (git checkout -- {os.path.basename(path)}) or train it again: "
+                                f"{train_command(path)}")
+    from safetensors.torch import load_file
+
+    metadata = read_metadata(path)
+    check_arch(path, metadata)
+    spec = layout_of(metadata)
+    use_webui_unet()
+    state = {k: v.float() for k, v in load_file(path).items()}
+    context = state.pop("context")
+    unet = build_proxy_unet(0, spec.name)
+    unet.load_state_dict(state)
+    unet = in_run_dtype(unet, torch.device(device), dtype).requires_grad_(False)
+    # The SD 1.5-layout proxy is "proxy" in the tables, as it was before the SDXL layout existed.
+    name = ("proxy (pixel-space SD 1.x-layout U-Net trained on photographs)" if spec.name == "sd15" else
+            "SDXL-layout proxy (pixel-space U-Net with SDXL's levels, trained on photographs)")
+    return Pipeline(name=name, unet=unet,
+                    context=context.to(device, dtype), prediction="eps", channels=3, downscale=1,
+                    decode=lambda x: ((x.float() + 1) / 2).clamp(0, 1),
+                    notes=["shipped proxy model: ranks methods, not an FID"], size=spec.eval_size)
+
+
+MAKE_ONE = "make one with: python -m tome_core.bench.proxy train --seed N --out proxy-seedN.safetensors"
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The safetensors header's metadata of ``path``; ValueError (one line) when the file is not a safetensors
+    file at all."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as error:  # safetensors' own SafetensorError (HeaderTooLarge, ...), or an OSError
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: not a safetensors file ({reason}); a proxy's weights are a .safetensors file "
+                         f"that {MAKE_ONE}") from None
+
+
+def check_arch(path: str, metadata: dict[str, str]) -> None:
+    """ValueError (one line) unless ``metadata`` names this code's proxy architecture: which settings differ,
+    not the whole architecture."""
+    try:
+        arch = json.loads(metadata.get("arch", "null"))
+    except ValueError:
+        arch = None
+    expected = layout_of(metadata).arch
+    if arch == expected:
+        return
+    if not isinstance(arch, dict):
+        raise ValueError(f"{path}: a safetensors file, but not a proxy model's weights (no proxy architecture "
+                         f"in its metadata); {MAKE_ONE}")
+    differ = [f"{k} {arch.get(k, '(none)')} where this code builds {expected[k]}" for k in expected
+              if arch.get(k) != expected[k]] + [f"{k} (unknown here)" for k in arch if k not in expected]
+    shown = "; ".join(differ[:2]) + (f"; and {len(differ) - 2} more" if len(differ) > 2 else "")
+    raise ValueError(f"{path}: a proxy of another architecture ({shown}); {MAKE_ONE}")
+
+
+def describe(path: str | None) -> str:
+    """What the tables call a proxy: "seed N" from its metadata (made by ``train``), else its file name."""
+    path = path or WEIGHTS_FILE
+    try:
+        seed = read_metadata(path).get("seed")
+    except ValueError:
+        seed = None
+    name = f"seed {seed}" if seed is not None else os.path.basename(path)
+    shipped = os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS + SHIPPED_SDXL_WEIGHTS}
+    return name if shipped or seed is None else f"{name} ({os.path.basename(path)})"

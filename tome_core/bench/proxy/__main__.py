@@ -1,0 +1,92 @@
+"""``python -m tome_core.bench.proxy train|samples``: train a proxy from a seed and write its weights, or write
+a grid of a proxy's samples (docs/proxy.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from ..pipeline import Pipeline
+from ..sampling import euler_sample
+from . import EVAL_SIZE, LAYOUTS, WEIGHTS_FILE, load_proxy
+from . import __doc__ as MODEL_DOC
+from .training import TrainConfig, save_weights, train
+
+
+def sample_grid(pipe: Pipeline, rows: int = 4, cols: int = 4, size: int = EVAL_SIZE, steps: int = 25,
+                seed: int = 0, zoom: int = 3) -> torch.Tensor:
+    """rows×cols samples of ``pipe`` from seeded noise, tiled with a 2 px white border and enlarged ``zoom``
+    times by nearest neighbour: (3, H, W) in [0, 1]."""
+    noise = torch.randn(rows * cols, pipe.channels, size, size, generator=torch.Generator().manual_seed(seed))
+    images = pipe.decode(euler_sample(pipe, noise.to(pipe.context.device), steps)).cpu()
+    pad = 2
+    grid = torch.ones(3, rows * (size + pad) + pad, cols * (size + pad) + pad)
+    for i, image in enumerate(images):
+        r, c = divmod(i, cols)
+        grid[:, pad + r * (size + pad):pad + r * (size + pad) + size,
+             pad + c * (size + pad):pad + c * (size + pad) + size] = image
+    return grid.repeat_interleave(zoom, 1).repeat_interleave(zoom, 2)
+
+
+def save_png(image: torch.Tensor, path: str) -> None:
+    """image (3, H, W) in [0, 1] -> an 8-bit PNG."""
+    from PIL import Image
+
+    array = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).contiguous().numpy()
+    Image.fromarray(array).save(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``train`` a proxy from a seed and write its weights, or write a grid of ``samples`` of one."""
+    parser = argparse.ArgumentParser(prog="python -m tome_core.bench.proxy", description=MODEL_DOC.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="train the proxy from a seed and write its weights")
+    p_train.add_argument("--seed", type=int, default=0)
+    p_train.add_argument("--layout", default="sd15", choices=sorted(LAYOUTS),
+                         help="sd15 (the default) or sdxl: SDXL's levels at small widths, evaluated at 128 px")
+    p_train.add_argument("--out", default=WEIGHTS_FILE)
+    p_train.add_argument("--threads", type=int, default=TrainConfig.threads)
+    p_train.add_argument("--stages", default=None,
+                         help="comma-separated SIZE:STEPS:BATCH stages (default: "
+                              + ",".join(":".join(map(str, s)) for s in TrainConfig.stages) + ")")
+    p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
+    p_samples.add_argument("--weights", default=None)
+    p_samples.add_argument("--out", required=True)
+    p_samples.add_argument("--steps", type=int, default=25)
+    p_samples.add_argument("--seed", type=int, default=0)
+    p_samples.add_argument("--threads", type=int, default=TrainConfig.threads)
+    args = parser.parse_args(argv)
+
+    if args.command == "train":
+        config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout,
+                             stages=LAYOUTS[args.layout].stages)
+        if args.stages:
+            config.stages = tuple(tuple(int(v) for v in s.split(":")) for s in args.stages.split(","))
+        start = time.time()
+        losses = []
+
+        def log(line: str) -> None:
+            losses.append(line)
+            print(line, flush=True)
+
+        state = train(config, log=log)
+        seconds = time.time() - start
+        save_weights(state, args.out, {"seed": str(args.seed), "stages": json.dumps(config.stages),
+                                       "train_seconds": f"{seconds:.0f}", "last_log": losses[-1] if losses else ""},
+                     args.layout)
+        print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB) in {seconds:.0f}s")
+    else:
+        torch.set_num_threads(args.threads)
+        pipe = load_proxy(path=args.weights)
+        save_png(sample_grid(pipe, steps=args.steps, seed=args.seed), args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
