@@ -322,6 +322,19 @@ def test_shipped_weights_lists_what_is_here_and_how_to_make_what_is_not(tmp_path
         proxy.load_proxy(path=gone)
 
 
+def test_a_library_install_without_the_weights_folder_says_where_the_weights_are(tmp_path, monkeypatch):
+    # A pip-installed engine has no weights folder: the refusal points at the repository's, not at training.
+    folder = tmp_path / "weights"
+    monkeypatch.setattr(proxy, "WEIGHTS_DIR", str(folder))
+    monkeypatch.setattr(proxy, "WEIGHTS_FILE", str(folder / "proxy_weights.safetensors"))
+    monkeypatch.setattr(proxy, "SHIPPED_WEIGHTS", (proxy.WEIGHTS_FILE,))
+    with pytest.raises(FileNotFoundError) as refused:
+        proxy.load_proxy()
+    line = str(refused.value)
+    assert "\n" not in line and "tome_core/bench/weights/" in line and "--proxy FILE" in line
+    assert "train" not in line
+
+
 # -- the SDXL-layout proxies -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=proxy.shipped_weights(("sdxl",))[0], ids=lambda path: os.path.basename(path))

@@ -38,6 +38,7 @@ Modules, by concern (each imports only those listed before it):
                 fidelity runs without a checkpoint: their layouts, building one, ``load_proxy()``
     proxy.training  how the proxies were made: the photographs, the crops, the training loop, the saved file
     proxy.__main__  ``python -m tome_core.bench.proxy train|samples``
+    weights/    the shipped proxies' weight files: the repository's, left out of the engine's wheel
     arguments   the command line's parser, the validation of its arguments, the one-line refusal (UsageError)
     loading     the device, and the trained models to measure (checkpoint, diffusers folder, proxies), each
                 checked against the sizes it is run at

@@ -54,6 +54,7 @@ class TensorFile:
         self.metadata: dict[str, str] = {}
 
     def shapes(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The tensors under ``prefix`` as meta tensors: their shapes, nothing read."""
         if self._tensors is not None:
             return {k: torch.empty(v.shape, device="meta") for k, v in self._tensors.items() if k.startswith(prefix)}
         return {k: torch.empty(self._safetensors.entries[k][1], device="meta")

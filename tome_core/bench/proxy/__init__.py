@@ -34,14 +34,20 @@ from torch import nn
 from ..archs import context_as_list, in_run_dtype, require_ldm, trim_depths, use_webui_unet
 from ..pipeline import Pipeline
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the weights lie beside the bench modules
-WEIGHTS_FILE = os.path.join(HERE, "proxy_weights.safetensors")  # seed 0, the first of the shipped proxies
+# The shipped weights are the repository's (a clone carries them), not the package's: the engine's wheel
+# leaves them out, so a pip-installed library has no such folder.
+WEIGHTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights")
+REPOSITORY_WEIGHTS_DIR = "tome_core/bench/weights"  # the same folder, as a checkout names it
+NOT_INSTALLED = (f"the shipped proxy models' weights are not installed here: they are in the repository's "
+                 f"{REPOSITORY_WEIGHTS_DIR}/, which a pip install of the engine leaves out; run from a checkout "
+                 f"of the repository, or give a proxy's weights file (python -m tome_core.bench --proxy FILE)")
+WEIGHTS_FILE = os.path.join(WEIGHTS_DIR, "proxy_weights.safetensors")  # seed 0, the first of the shipped proxies
 # Every shipped proxy, each trained by ``train`` with the default stages from its own seed: the default run
 # measures fidelity on each, since one proxy's figures do not all replicate on another.
-SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(HERE, "proxy_weights_seed1.safetensors"),
-                   os.path.join(HERE, "proxy_weights_seed2.safetensors"))
+SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(WEIGHTS_DIR, "proxy_weights_seed1.safetensors"),
+                   os.path.join(WEIGHTS_DIR, "proxy_weights_seed2.safetensors"))
 # The SDXL-layout proxies (``--layout sdxl``), seeds 0, 1 and 2: the default run races them after the others.
-SHIPPED_SDXL_WEIGHTS = tuple(os.path.join(HERE, f"proxy_weights_sdxl_seed{k}.safetensors") for k in range(3))
+SHIPPED_SDXL_WEIGHTS = tuple(os.path.join(WEIGHTS_DIR, f"proxy_weights_sdxl_seed{k}.safetensors") for k in range(3))
 
 
 def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl")) -> tuple[list[str], list[str]]:
@@ -148,14 +154,17 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     [0, 1]. The U-Net runs as the webui runs ldm (SDP attention), in eval mode and without gradients, on
     ``device`` in ``dtype``.
 
-    Reads ``path`` (default: ``WEIGHTS_FILE``, the first shipped proxy); raises FileNotFoundError with the
-    command that makes it when the file is missing.
+    Reads ``path`` (default: ``WEIGHTS_FILE``, the first shipped proxy); raises FileNotFoundError (one line)
+    when the file is missing: for a shipped file where no weights are installed (a pip-installed library),
+    where they are instead (``NOT_INSTALLED``); else the command that makes it.
     """
     path = path or WEIGHTS_FILE
     if not os.path.isfile(path):
+        if is_shipped(path) and not os.path.isdir(WEIGHTS_DIR):
+            raise FileNotFoundError(NOT_INSTALLED)
         raise FileNotFoundError(f"the proxy model's weights are missing: {path}. They ship with this extension; "
-                                f"restore the file (git checkout -- {os.path.basename(path)}) or train it again: "
-                                f"{train_command(path)}")
+                                f"restore the file (git checkout -- {REPOSITORY_WEIGHTS_DIR}/"
+                                f"{os.path.basename(path)}) or train it again: {train_command(path)}")
     from safetensors.torch import load_file
 
     metadata = read_metadata(path)
@@ -212,6 +221,11 @@ def check_arch(path: str, metadata: dict[str, str]) -> None:
     raise ValueError(f"{path}: a proxy of another architecture ({shown}); {MAKE_ONE}")
 
 
+def is_shipped(path: str) -> bool:
+    """Whether ``path`` names one of the shipped proxies' weight files."""
+    return os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS + SHIPPED_SDXL_WEIGHTS}
+
+
 def describe(path: str | None) -> str:
     """What the tables call a proxy: "seed N" from its metadata (made by ``train``), else its file name."""
     path = path or WEIGHTS_FILE
@@ -220,5 +234,4 @@ def describe(path: str | None) -> str:
     except ValueError:
         seed = None
     name = f"seed {seed}" if seed is not None else os.path.basename(path)
-    shipped = os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS + SHIPPED_SDXL_WEIGHTS}
-    return name if shipped or seed is None else f"{name} ({os.path.basename(path)})"
+    return name if is_shipped(path) or seed is None else f"{name} ({os.path.basename(path)})"
