@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from tome_core.bench import archs, cli
+import tome_core
+from tome_core.bench import archs, cli, timing
 from tome_core.bench.checkpoint import build_from_checkpoint, unet_config
 from unets import LAYOUTS, inputs, tiny_unet
 
@@ -158,13 +159,51 @@ def test_gpu_check_script_runs_small_on_cpu(capsys):
     assert [line.split("|")[1:3] for line in out.splitlines() if line.startswith(("| sd15 |", "| sdxl |"))
             and "| none |" in line] == [[" sd15 ", " 64 "], [" sd15 ", " 128 "], [" sd15 ", " 256 "], [" sdxl ", " 128 "],
                                         [" sdxl ", " 256 "]]
+    assert "| sdxl ×8 | 128 | none |" in out  # the larger batch, timed as well
     for method in ("ToMe | 0.50", "ToDo | f=2", "Local | 0.50", "Stack | 0.50", "tomesd | 0.50", "ideal | 0.50",
                    "ideal | S 0.50"):
-        assert out.count(f"| {method} |") == 5, method
+        assert out.count(f"| {method} |") == 6, method
+    assert "GPU busy" not in out  # measured on CUDA only
     assert "| ops/stack | MACs |" in out
     assert "| share |" in out and "| ops/block |" in out
     assert "merge plans (partition, matching, slot maps) identical" in out
     assert "bitwise equal" in out or "equal up to half-precision rounding" in out
+
+
+def test_device_busy_time_is_a_cuda_measure_only():
+    unet = tiny_unet("sd1")
+    x, t, c = inputs()
+    assert timing.device_busy_ms(lambda: unet(x, t, context=c), torch.device("cpu")) is None
+
+
+def test_gpu_busy_table_measures_each_method_patched_and_restores_the_u_net(monkeypatch):
+    # A stand-in for the profiler: the GPU's busy time is 20 ms unpatched and 10 ms with any patch on, so each
+    # line shows whether its method was on while it was measured; the wall times are the race's medians.
+    from tome_core.bench import gpucheck
+    from tome_core.bench.contenders import Wrapped, roster
+    from tome_core.bench.jobs import entries
+    from tome_core.bench.report import Case
+    from tome_core.bench.timing import Spread
+
+    unet = tiny_unet("sd1")
+    x, t, c = inputs()
+    wrapped = Wrapped(unet)
+    racers = [r for r in roster([0.5], [2], with_tomesd=False, with_ideal=False) if r.method in ("none", "ToMe")]
+    case = Case("sd15", 64, entries(racers), {"none": Spread.of([40.0]), racers[1].name: Spread.of([20.0])})
+    monkeypatch.setattr(gpucheck, "device_busy_ms",
+                        lambda call, device: 10.0 if tome_core.patched_blocks(unet) else 20.0)
+    lines = gpucheck.busy_table_lines(case, racers, wrapped, lambda: unet(x, t, context=c), torch.device("cpu"))
+    assert lines == ["| sd15 | 64 | none | – | 40.0 | 20.0 | 50% |",
+                     "| sd15 | 64 | ToMe | 0.50 | 20.0 | 10.0 | 50% |"]
+    assert not tome_core.patched_blocks(unet)
+
+    def broken(call, device):
+        raise RuntimeError("no CUPTI")
+
+    monkeypatch.setattr(gpucheck, "device_busy_ms", broken)
+    lines = gpucheck.busy_table_lines(case, racers, wrapped, lambda: unet(x, t, context=c), torch.device("cpu"))
+    assert lines == ["| sd15 | 64 | none | – | – | not measured: RuntimeError: no CUPTI | – |"]
+    assert not tome_core.patched_blocks(unet)
 
 
 def test_gpu_check_counts_syncs_the_patch_adds(monkeypatch):

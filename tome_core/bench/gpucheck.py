@@ -1,14 +1,15 @@
 """One-call GPU check: ``python -m tome_core.gpucheck`` (about a minute on an H200; the timing is bounded by
 ``--budget``).
 
-fp16 with SDP attention: SD 1.5 at 512, 1024 and 2048 px and SDXL at 1024 and 2048 px, whole U-Net step, no
-merging, ToMe, ToDo (factor 2), Local, Stack, tomesd (when installed) and the ideals in interleaved rounds at ratio
-0.5, with each one's defaults except that tomesd is given the SDXL level ours picks and Stack runs at levels 4
-on SDXL (with its ideal); then the int32 index path against the int64 path on the same
-device, a check that a patched U-Net call makes no host-device sync, and speed with fidelity (PSNR, SSIM after
-``--steps`` Euler steps) of every method on the shipped proxy. Prints markdown. Each case gets an
-equal share of ``--budget`` seconds of timing: it runs at least 3 rounds, and no new round once its share is
-spent, so the whole check stays bounded.
+fp16 with SDP attention: SD 1.5 at 512, 1024 and 2048 px and SDXL at 1024 and 2048 px (batch 2, and SDXL at
+1024 px at batch 8 too), whole U-Net step, no merging, ToMe, ToDo (factor 2), Local, Stack, tomesd (when
+installed) and the ideals in interleaved rounds at ratio 0.5, with each one's defaults except that tomesd is
+given the SDXL level ours picks and Stack runs at levels 4 on SDXL (with its ideal); on CUDA, each one's GPU
+busy time per call beside its wall time; then the int32 index path against the int64 path on the same device, a
+check that a patched U-Net call makes no host-device sync, and speed with fidelity (PSNR, SSIM after
+``--steps`` Euler steps) of every method on the shipped proxy. Prints markdown. Each case gets an equal share
+of ``--budget`` seconds of timing: it runs at least 3 rounds, and no new round once its share is spent, so the
+whole check stays bounded.
 
 ``--device cpu --width 0.1 --scale 0.125`` runs the same script small (still fp16), to check it works without a
 GPU.
@@ -34,10 +35,14 @@ from .jobs import Setup, bench_pipeline, contender_names, dtype_name, entries, h
 from .loading import default_sizes, load_proxy_pipeline, pick_device
 from .report import Case, case_lines, case_timings, find_busy, table, table_head
 from .runs import RANDOM_NOTE, fidelity_note, load_line
-from .timing import progress_bar
+from .timing import Spread, device_busy_ms, progress_bar
 
 PROG = "python -m tome_core.gpucheck"
-CASES = (("sd15", 512), ("sd15", 1024), ("sd15", 2048), ("sdxl", 1024), ("sdxl", 2048))
+BATCH = 2  # a prompt and its negative, as a webui's CFG step
+# (model, px, batch). A fast GPU at batch 2 can wait on the host that queues its kernels; SDXL 1024 px at a
+# larger batch shows what it gains once there is enough work per kernel.
+CASES = (("sd15", 512, BATCH), ("sd15", 1024, BATCH), ("sd15", 2048, BATCH), ("sdxl", 1024, BATCH),
+         ("sdxl", 1024, 8), ("sdxl", 2048, BATCH))
 # Stack's levels per model: SDXL's first attention level holds 17% of its work, the second 63%.
 STACK_LEVELS = {"sdxl": 4}
 RATIO = 0.5
@@ -92,7 +97,39 @@ def sync_check(unet, x, t, ctx) -> str:
     return f"{unpatched} unpatched (ldm's own), {patched} patched: {'none' if added <= 0 else added} added by the patch"
 
 
+def busy_table_head() -> list[str]:
+    return ["## GPU busy time", "",
+            "Per U-Net call: the wall time (the table above's median) beside the GPU's busy time, the summed "
+            "durations of the kernels and copies it ran (torch.profiler, 3 calls after a warm-up); busy = busy / "
+            "wall. Well under 100%, the GPU waits on the host that queues its work: there a method gains by "
+            "dispatching fewer operations, and less by removing multiply-adds.", "",
+            "| model | px | method | setting | wall ms | GPU busy ms | busy |", "|---|--:|---|--:|--:|--:|--:|"]
+
+
+def busy_table_lines(case: Case, racers: list, model, call, device: torch.device) -> list[str]:
+    """One line per contender of ``case``: its wall ms beside the GPU's busy ms per call (``device_busy_ms``),
+    each patched as in the race. A profiler that fails is one line saying so, not the end of the check."""
+    lines = []
+    for racer in racers:
+        wall: Spread | None = case.ms.get(racer.name)
+        racer.apply(model)
+        try:
+            busy = device_busy_ms(call, device)
+        except Exception as error:  # noqa: BLE001 (a profiler fault must not cost the rest of the check)
+            return lines + [f"| {case.model} | {case.size} | {racer.method} | {racer.setting} | – | not measured: "
+                            f"{type(error).__name__}: {error} | – |"]
+        finally:
+            racer.remove(model)
+        wall_cell = "–" if wall is None else f"{wall.median:.1f}"
+        busy_cell = "–" if busy is None else f"{busy:.1f}"
+        share = "–" if busy is None or wall is None else f"{busy / wall.median:.0%}"
+        lines.append(f"| {case.model} | {case.size} | {racer.method} | {racer.setting} | {wall_cell} | {busy_cell} "
+                     f"| {share} |")
+    return lines
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The GPU check's command line parsed; exits on --help or a malformed argument (one line, status 2)."""
     ap = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="default cuda; cpu runs the check small, for testing")
     ap.add_argument("--width", type=float, default=1.0, help="scale every channel count (for small runs)")
@@ -108,8 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """The cases at ``--scale``; ``UsageError`` for the first bad argument."""
+def check_args(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """The cases (model, px, batch) at ``--scale``; ``UsageError`` for the first bad argument."""
     if args.repeats < 1:
         raise UsageError(f"--repeats {args.repeats}: at least 1 round is needed")
     if not args.budget > 0:
@@ -120,8 +157,8 @@ def check_args(args: argparse.Namespace) -> list[tuple[str, int]]:
         raise UsageError(f"--scale {args.scale:g}: must be a positive number")
     if args.steps < 0:
         raise UsageError(f"--steps {args.steps}: must be 0 (skip the fidelity run) or more")
-    cases = [(arch, int(size * args.scale) // 8 * 8) for arch, size in CASES]
-    for arch, size in cases:
+    cases = [(arch, int(size * args.scale) // 8 * 8, batch) for arch, size, batch in CASES]
+    for arch, size, _ in cases:
         if top_grid(size, archs.top_attention_level(arch)) < 2:
             raise UsageError(f"--scale {args.scale:g}: {arch} at {size} px is too small for one 2×2 stride cell")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -132,6 +169,7 @@ def check_args(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the GPU check on ``argv`` (default: the command line's); the exit status: 0, or 2 for a bad argument."""
     try:
         args = parse_args(argv)
     except SystemExit as done:
@@ -146,36 +184,45 @@ def main(argv: list[str] | None = None) -> int:
     archs.use_webui_unet()
     t0 = time.time()
     names = contender_names()
-    print(f"# GPU check: {hardware(device)}, {dtype_name(dtype)}, SDP attention, batch 2, width {args.width:g}, "
-          f"ToMe ratio {RATIO}, ToDo factor {TODO_FACTOR}, methods: {', '.join(names)}\n")
+    print(f"# GPU check: {hardware(device)}, {dtype_name(dtype)}, SDP attention, batch {BATCH} (SDXL also at 8), "
+          f"width {args.width:g}, ToMe ratio {RATIO}, ToDo factor {TODO_FACTOR}, methods: {', '.join(names)}\n")
     racer_count = roster_size(1, 1, "tomesd" in names, "ideal" in names)
     setup = Setup(device, dtype, progress_bar(len(cases) * racer_count * (args.repeats + 1), not args.quiet))
     print(table_head("Whole U-Net step, random weights",
                      f"3 to {args.repeats}" if args.repeats > 3 else str(args.repeats), RANDOM_NOTE))
     rows = []
     budget = args.budget / len(cases)
-    for arch in dict.fromkeys(arch for arch, _ in cases):
+    busy_lines: list[str] = []
+    for arch in dict.fromkeys(arch for arch, _, _ in cases):
         unet, ctx_dim = archs.build_unet(arch, device, dtype, args.width)
         wrapped = Wrapped(unet)
         depth = archs.unet_depth(unet)
-        for size in [s for a, s in cases if a == arch]:
+        for size, batch in [(s, b) for a, s, b in cases if a == arch]:
             gen = torch.Generator().manual_seed(0)
-            x = torch.randn(2, 4, size // 8, size // 8, generator=gen).to(device, dtype)
-            ctx = [torch.randn(2, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
-            t = torch.full((2,), 500.0, device=device)
+            x = torch.randn(batch, 4, size // 8, size // 8, generator=gen).to(device, dtype)
+            ctx = [torch.randn(batch, 77, ctx_dim, generator=gen).to(device, dtype)] * depth
+            t = torch.full((batch,), 500.0, device=device)
+            label = arch if batch == BATCH else f"{arch} ×{batch}"
             racers = roster([RATIO], [TODO_FACTOR], tomesd_max_downsample=2 ** archs.top_attention_level(arch),
                             stack_max_downsample=STACK_LEVELS.get(arch))
             ops: dict = {}
-            ms = race(f"{arch} {size} px", wrapped, lambda: unet(x, t, context=ctx), racers, setup, args.repeats,
-                      budget, ops)
-            rows.append(Case(arch, size, entries(racers), ms, None, ops))
+
+            def call(unet=unet, x=x, t=t, ctx=ctx):  # the same call is timed and profiled
+                return unet(x, t, context=ctx)
+
+            ms = race(f"{label} {size} px", wrapped, call, racers, setup, args.repeats, budget, ops)
+            rows.append(Case(label, size, entries(racers), ms, None, ops))
             print("\n".join(case_lines(rows[-1])), flush=True)
+            if device.type == "cuda":
+                busy_lines += busy_table_lines(rows[-1], racers, wrapped, call, device)
         unet = wrapped = None  # free this model before the next one is built
         gc.collect()
     setup.progress.close()
     line = load_line(setup.load())
     if line:
         print("\n" + line)
+    if busy_lines:
+        print("\n" + "\n".join(busy_table_head() + busy_lines))
     busy = find_busy(case_timings(rows, "U-Net"), setup.load())
     if busy:
         print("\n" + busy.line(f"more rounds and a longer budget (--repeats {2 * args.repeats} --budget "

@@ -65,6 +65,32 @@ def time_call(fn: Callable[[], object], device: torch.device, clock: Callable[[]
     return (clock() - t0) * 1000
 
 
+def device_busy_ms(call: Callable[[], object], device: torch.device, calls: int = 3) -> float | None:
+    """Milliseconds the GPU computes per ``call()``: the summed durations of the kernels and copies it ran,
+    recorded by torch.profiler, without the gaps in which it waits for the host to queue more. None off CUDA,
+    or when the profiler recorded no device work.
+
+    Beside the wall time per call it says what bounds a step: a busy time well under the wall time means the
+    GPU waits on the Python thread that feeds it, so fewer, larger operations (or a larger batch) gain there
+    while fewer multiply-adds do not.
+    """
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        call()  # outside the record: first-call allocations and caches
+        synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+            for _ in range(calls):
+                call()
+            synchronize(device)
+    # Device events only: the CPU ops that launched them carry the same time again as their "device time".
+    busy_us = sum(e.time_range.elapsed_us() for e in recorded.events() if e.device_type == DeviceType.CUDA)
+    return busy_us / 1000 / calls if busy_us > 0 else None
+
+
 def model_timer(model: nn.Module, call: Callable[[], object], contenders: Sequence[Contender],
                 device: torch.device) -> Callable[[str], float]:
     """``time_one(name)``: patch ``model`` as contender ``name`` does, time one ``call()``, restore the model.
