@@ -19,7 +19,8 @@ Modules, by concern (each imports only those listed before it):
     diffusers_folder  a diffusers model folder as a pipeline
     contenders  what is raced: none, ToMe, ToDo, Local, tomesd at each setting, and the ideals (attention on fewer
                 tokens, chosen free; or every query on fewer keys and values)
-    timing      interleaved rounds, medians and spreads, the cores other processes take, a progress bar
+    timing      interleaved rounds, medians and spreads, the cores other processes take, the GPU's busy time
+                per call, a progress bar
     metrics     PSNR and SSIM of pictures in [0, 1]
     spread      a figure over images or models: each value, the median, the range
     macs        multiply-adds a call computes
