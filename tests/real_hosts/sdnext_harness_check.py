@@ -1,7 +1,8 @@
 """Checks the extension in a running real SD.Next over its HTTP API (not a pytest test: it needs the server).
 
-Start SD.Next with this repository linked as an extension, and with ``tests/real_hosts/unet-failer`` linked as
-another (``FAILER`` below) for the failure check, then::
+``tests/real_hosts/run_host_check.sh sdnext`` sets SD.Next up, links this repository and
+``tests/real_hosts/unet-failer`` (``FAILER`` below, for the failure check) into it, starts it, runs this, and
+stops it. By hand, with SD.Next started (``tests/real_hosts/hosts/sdnext/start.sh``)::
 
     python3 tests/real_hosts/sdnext_harness_check.py [--url http://127.0.0.1:7865] [--log .../run/sdnext.log]
 
@@ -179,7 +180,8 @@ def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=os.environ.get("SDNEXT_URL", "http://127.0.0.1:7865"))
-    ap.add_argument("--log", default=os.path.expanduser("~/tome-bars/sdnext-harness/run/sdnext.log"))
+    ap.add_argument("--log", default=os.path.join(os.environ.get("HOSTS", os.path.expanduser("~/tome-hosts")),
+                                                  "sdnext", "run", "sdnext.log"), help="the host's console log")
     s = Server(ap.parse_args().url, ap.parse_args().log)
 
     plain, tome = check_basics(s)

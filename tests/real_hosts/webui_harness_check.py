@@ -1,12 +1,12 @@
 """Checks the extension in a running real A1111 webui, Forge, Forge Neo, reForge or Forge Classic over its HTTP
 API (not a pytest test: it needs the server).
 
-Start the host (``../shared/harness/start.sh``, or ``forge/``, ``forge-neo/``, ``reforge/``, ``forge-classic/``)
-with this repository linked as an extension and with ``tests/real_hosts/unet-failer`` linked as another (an
-always-on script, ``FAILER`` below: args [true] make the U-Net raise at its 2nd call of the job) for the
-failure check, then::
+``tests/real_hosts/run_host_check.sh a1111`` (or ``forge``, ``forge-neo``, ``reforge``, ``forge-classic``) sets
+the host up, links this repository and ``tests/real_hosts/unet-failer`` (an always-on script, ``FAILER`` below:
+args [true] make the U-Net raise at its 2nd call of the job, for the failure check) into it, starts it, runs
+this, and stops it. By hand, with the host started (``tests/real_hosts/hosts/<host>/start.sh``)::
 
-    python3 tests/real_hosts/webui_harness_check.py [--url http://127.0.0.1:7861] [--log .../run/a1111.log]
+    python3 tests/real_hosts/webui_harness_check.py [--forge] [--url http://127.0.0.1:7861] [--log .../run/a1111.log]
 
 Prints one line per check (the pixels' md5, the infotext's ToMe entries, the console lines the job printed)
 and exits 1 if a check fails. Standard library only; the server side of the helpers is shared with
@@ -87,7 +87,8 @@ def check_hypertile(s: Server) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=os.environ.get("A1111_URL", "http://127.0.0.1:7861"))
-    ap.add_argument("--log", default=os.path.expanduser("~/tome-bars/a1111-harness/run/a1111.log"))
+    ap.add_argument("--log", default=os.path.join(os.environ.get("HOSTS", os.path.expanduser("~/tome-hosts")),
+                                                  "a1111", "run", "a1111.log"), help="the host's console log")
     ap.add_argument("--forge", action="store_true", help="a Forge-family host: its hires fix over the API needs "
                     "hr_additional_modules")
     args = ap.parse_args()
