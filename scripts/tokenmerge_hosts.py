@@ -40,8 +40,10 @@ the webui also loads it as a script module.
 
 from __future__ import annotations
 
+import json
+import re
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 from torch import nn
 
@@ -136,6 +138,10 @@ class Host:
     def pass_length(self, model: Any) -> int | None:
         """Where ``calls_pass_hooks`` is False: U-Net calls of the pass under way, or None when unknown."""
         return None
+
+    def complete_pasted(self, infotext: str, params: dict, keys: Iterable[str]) -> None:
+        """Add to ``params`` (the host's parse of a pasted ``infotext``) the entries of ``keys`` its parser
+        missed; the webuis that parse every key leave it as it is."""
 
 
 class A1111(Host):
@@ -255,6 +261,22 @@ class SDNext(Host):
             if isinstance(total, int) and not isinstance(total, bool) and total > 0:
                 return total
         return None
+
+    def complete_pasted(self, infotext: str, params: dict, keys: Iterable[str]) -> None:
+        """SD.Next's parser reads only keys of letters, digits, "_" and spaces, so "ToMe merge cross-attention"
+        and "ToMe re-plan every" never reach the paste fields: those are found in the text itself."""
+        for key in keys:
+            if key in params:
+                continue
+            found = re.search(rf'(?:^|[,\n])\s*{re.escape(key)}:\s*("(?:\\.|[^"\\])*"|[^,\n]*)', infotext)
+            if found:
+                value = found.group(1).strip()
+                if value.startswith('"'):
+                    try:
+                        value = json.loads(value)
+                    except ValueError:
+                        continue
+                params[key] = value
 
     def active_builtin_token_merging(self, p: Any, opts: Any) -> dict[str, Any]:
         """SD.Next's own token merging this job would apply ({setting: value}), taking the request's

@@ -4,12 +4,13 @@ API: ``"alwayson_scripts": {"tome": {"args": [...]}}`` with the positional value
 both tabs; img2img ignores the two hires values)::
 
     enabled, ratio, hr_only, hr_ratio, method, max_downsample, sx, sy, use_rand, merge_crossattn, merge_mlp,
-    todo_factor, todo_pool, step_start, step_end, local_replan, size_weighted_keys
+    todo_factor, todo_pool, step_start, step_end, local_replan, size_weighted_keys, cache_interval,
+    cache_warmup
 
 (calls with fewer values, made before the last ones existed, keep working: the missing ones take their
-defaults). ``method`` is "ToMe", "ToDo", "Local" or "Stack". ``size_weighted_keys`` is "Auto" (or null: on
-for ToMe, off for Local and Stack), "On"/true or "Off"/false; until it became "Auto" its default was off, so a
-call that leaves it out now gets it on with ToMe.
+defaults). ``method`` is "ToMe", "ToDo", "Local", "Stack" or "Cache" (``tome_core.methods.METHODS``).
+``size_weighted_keys`` is "Auto" (or null: on for ToMe, off for Local and Stack), "On"/true or "Off"/false;
+until it became "Auto" its default was off, so a call that leaves it out now gets it on with ToMe.
 
 or ``{"args": [{"enabled": true, "ratio": 0.4, ...}]}``: one dict with any of those keys, the rest at their
 defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
@@ -17,9 +18,7 @@ defaults. Bounds and defaults are in ``tome_core.settings.PARAMS``.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import weakref
 from functools import partial
 from typing import Any
@@ -38,7 +37,8 @@ from tome_core import settings as tm
 LOG_PREFIX = "[ToMe]"
 # The advanced panel, row by row.
 ADVANCED_ROWS = (("method", "max_downsample"), ("sx", "sy"), ("use_rand", "merge_crossattn", "merge_mlp"),
-                 ("todo_factor", "todo_pool"), ("local_replan", "size_weighted_keys"), ("step_start", "step_end"))
+                 ("todo_factor", "todo_pool"), ("local_replan", "size_weighted_keys"),
+                 ("cache_interval", "cache_warmup"), ("step_start", "step_end"))
 # Controls one method alone reads, shown only while that method is chosen.
 METHOD_CONTROLS = tuple(dict.fromkeys(key for keys in tm.METHOD_KEYS.values() for key in keys))
 # Our own entries in p.extra_generation_params (also the ones an earlier XYZ cell may have left there).
@@ -48,51 +48,75 @@ PASS_ATTRIBUTE = "tokenmerge_pass"
 # On the processing object: the job's settings, parsed once, in its first hook.
 SETTINGS_ATTRIBUTE = "tokenmerge_settings"
 
-# Every U-Net this module patched and has not yet restored, with the engine options it was patched with.
-# Not just the current model's: the model can change during a job (refiner, hires checkpoint), and a job that
-# fails during sampling leaves its patch on.
-_patched_unets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Hypertile layer settings turned off while ToMe merges those layers.
-_hypertile_set_aside: list = []
-# Where the host calls no hook per pass: the hooks that follow the U-Net's calls (``UnetCallPasses``).
-_pass_watches: list = []
-# Of the patches removed since the job began: attention calls that ran unmerged because another extension
-# handed them other rows or tokens than the plan's, and block calls whose plan no attention call used.
-_foreign_calls = {"unmerged_calls": 0, "unused_plans": 0}
 
 
-def remove_all_patches() -> None:
-    """Restore every U-Net this module patched (and Hypertile where ToMe set it aside)."""
-    for unet in list(_patched_unets.keys()):
-        patch = tome_core.get_patch(unet)
-        if patch is not None:
-            for counter in _foreign_calls:
-                _foreign_calls[counter] += getattr(patch, counter)
-        tome_core.remove_patch(unet)
-        _patched_unets.pop(unet, None)
-    restore_hypertile(_hypertile_set_aside)
-    _hypertile_set_aside.clear()
+class JobState:
+    """What this module changed for the job under way, to undo when it ends: the U-Nets it patched (what each
+    is patched with is the engine's answer, ``tome_core.get_patch``), the Hypertile layers it set aside, the
+    hooks that follow the passes where the host calls none, and what other extensions kept from merging.
+
+    Not just the current model's U-Net: the model can change during a job (refiner, hires checkpoint), and a
+    job that fails during sampling leaves its patch on."""
+
+    def __init__(self) -> None:
+        self.unets: weakref.WeakSet = weakref.WeakSet()
+        self.hypertile_set_aside: list = []
+        self.pass_watches: list = []
+        # Of the patches removed since the job began: attention calls that ran unmerged because another
+        # extension handed them other rows or tokens than the plan's, and block calls whose plan no attention
+        # call used.
+        self.foreign_calls = {"unmerged_calls": 0, "unused_plans": 0}
+
+    def patch(self, unet: nn.Module, options: dict[str, Any]) -> None:
+        """Patch ``unet`` with engine ``options`` (the engine's errors pass through; nothing is patched then)."""
+        tome_core.apply_patch(unet, **options)
+        self.unets.add(unet)
+
+    def patched_with(self, unet: nn.Module | None, options: dict[str, Any]) -> bool:
+        """Whether this job patched ``unet`` and its live patch has ``options``."""
+        patch = tome_core.get_patch(unet) if unet is not None and unet in self.unets else None
+        return patch is not None and patch.options == tome_core.MergeOptions(**options)
+
+    def patched_unets(self) -> list[nn.Module]:
+        return [unet for unet in list(self.unets) if tome_core.is_patched(unet)]
+
+    def remove_all_patches(self) -> None:
+        """Restore every U-Net this module patched (and Hypertile where ToMe set it aside)."""
+        for unet in list(self.unets):
+            patch = tome_core.get_patch(unet)
+            if patch is not None:
+                for counter in self.foreign_calls:
+                    self.foreign_calls[counter] += getattr(patch, counter)
+            tome_core.remove_patch(unet)
+        self.unets.clear()
+        restore_hypertile(self.hypertile_set_aside)
+        self.hypertile_set_aside.clear()
+
+    def end(self) -> None:
+        """Everything this module added for a job removed: the patches and the pass watches."""
+        while self.pass_watches:
+            self.pass_watches.pop().remove()
+        self.remove_all_patches()
+
+    def begin(self) -> None:
+        """A new job: what an earlier one left is removed, and the counts start from zero."""
+        self.end()
+        self.foreign_calls.update(unmerged_calls=0, unused_plans=0)
+
+    def report_foreign_calls(self, p: Any) -> None:
+        """Tell the user, once per job, where other extensions kept ToMe from merging (and reset the counts)."""
+        unmerged, unused = self.foreign_calls["unmerged_calls"], self.foreign_calls["unused_plans"]
+        self.foreign_calls.update(unmerged_calls=0, unused_plans=0)
+        if unused:
+            note_once(p, f"{unused} block calls ran without merging: another extension replaced or reshaped "
+                         f"their self-attention (an attn1 replacement, HyperTile, ControlNet's reference mode "
+                         f"...), so those calls computed exact attention")
+        elif unmerged:
+            note_once(p, f"{unmerged} extra self-attention calls by another extension (on a part of the batch "
+                         f"or on tiled tokens) ran exact attention; the ordinary calls were merged")
 
 
-def end_job() -> None:
-    """Everything this module added for a job removed: the patches and the pass watches."""
-    while _pass_watches:
-        _pass_watches.pop().remove()
-    remove_all_patches()
-
-
-def report_foreign_calls(p: Any) -> None:
-    """Tell the user, once per job, where other extensions kept ToMe from merging (and reset the counts)."""
-    unmerged, unused = _foreign_calls["unmerged_calls"], _foreign_calls["unused_plans"]
-    _foreign_calls.update(unmerged_calls=0, unused_plans=0)
-    if unused:
-        note_once(p, f"{unused} block calls ran without merging: another extension replaced or reshaped their "
-                     f"self-attention (an attn1 replacement, HyperTile, ControlNet's reference mode ...), so "
-                     f"those calls computed exact attention")
-    elif unmerged:
-        note_once(p, f"{unmerged} extra self-attention calls by another extension (on a part of the batch or "
-                     f"on tiled tokens) ran exact attention; the ordinary calls were merged")
-
+JOB = JobState()
 
 def current_host() -> Host:
     """The webui this runs in, with the job's model (see ``tokenmerge_hosts.host_of``)."""
@@ -150,22 +174,21 @@ class SamplingPass:
         self.model = shared.sd_model
         unet, reason = current_unet()
         if reason:
-            remove_all_patches()
+            JOB.remove_all_patches()
             return f"skipped: {reason}"
-        if _patched_unets.get(unet) is self.options:
+        if JOB.patched_with(unet, self.options):
             return None
-        remove_all_patches()
+        JOB.remove_all_patches()
         try:
-            tome_core.apply_patch(unet, **self.options)
+            JOB.patch(unet, self.options)
         except Exception as error:  # the engine refuses what it cannot patch: never fail the generation
-            remove_all_patches()
+            JOB.remove_all_patches()
             self.engine_refused = True
             return f"not applied: {error}; generating without ToMe"
-        _patched_unets[unet] = self.options
         turned_off = set_aside_hypertile([block.self_attention for block in tome_core.patched_blocks(unet)
                                           if block.self_attention is not None])
         if turned_off:
-            _hypertile_set_aside.extend(turned_off)
+            JOB.hypertile_set_aside.extend(turned_off)
             self.hypertile_set_aside = len(turned_off)
         return None
 
@@ -302,8 +325,7 @@ class TokenMergeScript(scripts.Script):
         setattr(p, SETTINGS_ATTRIBUTE, settings)
         p.tokenmerge_printed = set()
         # postprocess does not run when sampling raised, so the previous job may have left its patch on.
-        end_job()
-        _foreign_calls.update(unmerged_calls=0, unused_plans=0)
+        JOB.begin()
         if settings.enabled and (reason := current_unet()[1]):
             # Say why now, and leave the webui's own token merging as the user set it: turning it off for a job
             # that then skips ToMe would leave the user with no merging at all.
@@ -325,14 +347,14 @@ class TokenMergeScript(scripts.Script):
         host = current_host()
         if not host.calls_pass_hooks:
             # No hook per sampling pass: patch now, and follow the passes from the U-Net's calls.
-            end_job()
+            JOB.end()
             if settings.enabled:
-                _pass_watches.append(UnetCallPasses(
+                JOB.pass_watches.append(UnetCallPasses(
                     host, p, current_unet()[0], model=lambda: shared.sd_model,
                     start_pass=lambda hires: self.patch_pass(p, args, hires, keep_same=True),
                     report_progress=_report_progress, give_up=partial(_stop_following, p),
                     hires_follows=bool(getattr(p, "enable_hr", False)) and not self.is_img2img))
-                _pass_watches[-1].start_pass(False)
+                JOB.pass_watches[-1].start_pass(False)
 
     def process_before_every_sampling(self, p: Any, *args: Any, **kwargs: Any) -> None:
         self.patch_pass(p, args, bool(getattr(p, "is_hr_pass", False)))
@@ -344,11 +366,11 @@ class TokenMergeScript(scripts.Script):
         settings = self.job_settings(p, args)
         if not settings.applies_to_pass(hires):
             setattr(p, PASS_ATTRIBUTE, None)
-            remove_all_patches()
+            JOB.remove_all_patches()
             return
         options = settings.engine_options(hires=hires, seed=batch_seed(p))
         unet = current_unet()[0]
-        if keep_same and unet is not None and _patched_unets.get(unet) == options:
+        if keep_same and JOB.patched_with(unet, options):
             return
         setattr(p, PASS_ATTRIBUTE, None)
         sampling_pass = SamplingPass(options)
@@ -368,8 +390,8 @@ class TokenMergeScript(scripts.Script):
 
     def postprocess(self, p: Any, processed: Any, *args: Any) -> None:
         setattr(p, PASS_ATTRIBUTE, None)
-        end_job()
-        report_foreign_calls(p)
+        JOB.end()
+        JOB.report_foreign_calls(p)
 
 
 def without_own_infotext(params: dict) -> dict:
@@ -381,12 +403,12 @@ def without_own_infotext(params: dict) -> dict:
 def _report_progress(calls: int, total: int | None) -> None:
     """A U-Net call's progress in its pass, for the step window of every patch."""
     progress = tm.evaluation_progress(calls, total)
-    for unet in list(_patched_unets.keys()):
+    for unet in JOB.patched_unets():
         tome_core.set_progress(unet, progress)
 
 
 def _stop_following(p: Any, error: Exception) -> None:
-    remove_all_patches()
+    JOB.remove_all_patches()
     note_once(p, f"stopped following the sampling passes ({error!r}); generating without ToMe")
 
 
@@ -418,13 +440,14 @@ def _on_cfg_denoiser(params: Any) -> None:
     sampling_pass = getattr(getattr(denoiser, "p", None), PASS_ATTRIBUTE, None)
     if sampling_pass is not None:
         sampling_pass.follow_model(denoiser.p)
-    if not _patched_unets:
+    unets = JOB.patched_unets()
+    if not unets:
         return
     # params.sampling_step lags by one and repeats for second-order samplers; the denoiser's own evaluation
     # counter does not; it restarts for the hires pass and keeps counting across a refiner switch.
     progress = tm.evaluation_progress(getattr(denoiser, "step", None), getattr(denoiser, "total_steps", None),
                                       getattr(denoiser, "steps", None))
-    for unet in list(_patched_unets.keys()):
+    for unet in unets:
         tome_core.set_progress(unet, progress)
 
 
@@ -437,7 +460,7 @@ def _register_callbacks() -> None:
         return
     _callbacks_registered = True
     script_callbacks.on_cfg_denoiser(_on_cfg_denoiser)
-    script_callbacks.on_script_unloaded(end_job)
+    script_callbacks.on_script_unloaded(JOB.end)
     script_callbacks.on_script_unloaded(_release_claim)
     script_callbacks.on_infotext_pasted(_on_infotext_pasted)
     if page_host().skips_postprocess_on_failure:
@@ -446,26 +469,13 @@ def _register_callbacks() -> None:
 
 
 def _after_process(p: Any) -> None:
-    end_job()
+    JOB.end()
 
 
 def _on_infotext_pasted(infotext: str, params: dict) -> None:
-    """Add our entries the webui's parser missed: SD.Next's reads only keys of letters, digits, "_" and
-    spaces, so "ToMe merge cross-attention" and "ToMe re-plan every" never reach the paste fields there."""
-    if not isinstance(infotext, str) or not isinstance(params, dict) or tm.RATIO_INFOTEXT not in params:
-        return
-    for key in tm.INFOTEXT_KEYS:
-        if key in params:
-            continue
-        found = re.search(rf'(?:^|[,\n])\s*{re.escape(key)}:\s*("(?:\\.|[^"\\])*"|[^,\n]*)', infotext)
-        if found:
-            value = found.group(1).strip()
-            if value.startswith('"'):
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    continue
-            params[key] = value
+    """Our entries the host's infotext parser missed, added where it misses some (``Host.complete_pasted``)."""
+    if isinstance(infotext, str) and isinstance(params, dict) and tm.RATIO_INFOTEXT in params:
+        page_host().complete_pasted(infotext, params, tm.INFOTEXT_KEYS)
 
 
 if OTHER_COPY is None:

@@ -266,15 +266,15 @@ def test_import_loads_no_host_modules():
 def test_each_block_draws_its_own_partition(monkeypatch):
     """The partition is keyed on (seed, timestep, block): blocks of one level differ within a call, and the
     same block at the same timestep gets the same partition in every call."""
-    import tome_core.patch as patch_module
+    import tome_core.methods.tome as patch_module
 
     unet = tiny_unet("sd1")
     x, t, c = inputs()
     drawn = []  # the destinations each block's merge plan is built on, in call order
     original = patch_module.plan_split
     monkeypatch.setattr(patch_module, "plan_split",
-                        lambda metric, layout, r, chunk: drawn.append(layout.dst.clone()) or
-                        original(metric, layout, r, chunk))
+                        lambda metric, rows, r, chunk: drawn.append(rows.dst.clone()) or
+                        original(metric, rows, r, chunk))
     tome_core.apply_patch(unet, ratio=0.5, seed=3)
     run(unet, x, t, c)
     run(unet, x, t, c)

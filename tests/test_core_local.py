@@ -18,6 +18,37 @@ from unets import hook_counts, inputs, run, tiny_unet
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
+def reference_keep(x: torch.Tensor, h: int, w: int, ratio: float) -> torch.Tensor:
+    """The plan's meaning, written plainly with Python loops (the oracle of the tests here): the kept tokens
+    (B, M, C) of ``x`` (B, h·w, C), with ``x`` itself as the similarity metric: per batch row, each window's
+    groups' first members in window order, then the edge tokens in token order."""
+    batch, n, _ = x.shape
+    windows_y, windows_x = h // loc.WINDOW, w // loc.WINDOW
+    merges = loc.window_merges(windows_y * windows_x, ratio)
+    out = []
+    for b in range(batch):
+        rows, edges = [], []
+        for j, q in enumerate(merges):
+            wy, wx = divmod(j, windows_x)
+            tokens = [(wy * 2 + dy) * w + wx * 2 + dx for dy in (0, 1) for dx in (0, 1)]
+            feats = x[b, tokens].double()
+            unit = feats / feats.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+            best, best_groups = None, None
+            for cq, groups in loc.CANDIDATES:
+                if cq != q or (q == 1 and loc.SINGLE_MERGE_PAIR not in groups):
+                    continue
+                score = sum(float(unit[g[0]] @ unit[g[1]]) for g in groups if len(g) == 2)
+                if best is None or score > best + 1e-6:
+                    best, best_groups = score, groups
+            rows.extend(x[b, tokens[min(g)]] for g in best_groups)
+        for y in range(h):
+            for xx in range(w):
+                if y >= windows_y * 2 or xx >= windows_x * 2:
+                    edges.append(x[b, y * w + xx])
+        out.append(torch.stack(rows + edges))
+    return torch.stack(out)
+
+
 # -- the plan's math -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("h,w", [(8, 8), (9, 7), (5, 6), (3, 3), (2, 2), (12, 4)])
@@ -27,7 +58,7 @@ def test_kept_tokens_equal_a_plain_reference(h, w, ratio):
     its first member; edge tokens of odd grids always kept; the int32 and int64 paths give the same plan."""
     x = torch.randn(3, h * w, 6, generator=torch.Generator().manual_seed(h * 100 + w))
     plans = [loc.plan_local(x, h, w, ratio, idt) for idt in (torch.int32, torch.int64)]
-    want = loc.reference_keep(x, h, w, ratio)
+    want = reference_keep(x, h, w, ratio)
     if want.shape[1] == h * w:  # no merge at all: no plan
         assert plans == [None, None]
         return
@@ -114,7 +145,7 @@ def _count_plans(monkeypatch):
         made.append((tuple(metric.shape), h, w))
         return real(metric, h, w, ratio, idt, with_sizes)
 
-    monkeypatch.setattr("tome_core.patch.plan_local", counting)
+    monkeypatch.setattr("tome_core.methods.local.plan_local", counting)
     return made
 
 
@@ -300,7 +331,7 @@ def test_an_attention_call_with_another_batch_or_token_count_runs_unmerged():
     attn1 = rec.module.attn1
     x = torch.randn(2, 64, attn1.to_q.in_features)
     rec.grid = (8, 8)
-    rec.plan = tome_core.get_patch(unet).level_plan(rec, x)
+    rec.plan = tome_core.get_patch(unet).method_patch.levels.plan(rec, x)
     assert rec.plan is not None
     with torch.no_grad():
         for part in (x[:1], x[:, :32]):
@@ -308,8 +339,8 @@ def test_an_attention_call_with_another_batch_or_token_count_runs_unmerged():
             exact = attn1(part)
             tome_core.apply_patch(unet, ratio=0.5, method="local")
             rec = tome_core.get_patch(unet).selected[0]
-            rec.grid, rec.layout = (8, 8), (2, 64)
-            rec.plan = tome_core.get_patch(unet).level_plan(rec, x)
+            rec.grid, rec.input_shape = (8, 8), (2, 64)
+            rec.plan = tome_core.get_patch(unet).method_patch.levels.plan(rec, x)
             assert torch.equal(attn1(part), exact)
             merged = attn1(x)
             assert merged.shape == x.shape and not torch.equal(merged, attn1.forward(x))
@@ -324,9 +355,9 @@ def test_queries_stay_whole_and_keys_and_values_come_from_the_kept_tokens():
     rec = patch.selected[0]
     attn1 = rec.module.attn1
     x = torch.randn(2, 64, attn1.to_q.in_features, generator=torch.Generator().manual_seed(3))
-    rec.grid, rec.layout = (8, 8), (2, 64)
-    rec.plan = patch.level_plan(rec, x)
-    kept = loc.reference_keep(x, 8, 8, 0.5)
+    rec.grid, rec.input_shape = (8, 8), (2, 64)
+    rec.plan = patch.method_patch.levels.plan(rec, x)
+    kept = reference_keep(x, 8, 8, 0.5)
     assert kept.shape[1] == 32
     with torch.no_grad():
         got = attn1(x)

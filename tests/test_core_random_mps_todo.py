@@ -177,7 +177,7 @@ def test_recorder_catches_the_int64_path():
 
 
 def test_index_dtype_is_int32_on_mps_only():
-    from tome_core.patch import default_index_dtype
+    from tome_core.methods.base import default_index_dtype
 
     assert default_index_dtype(torch.device("mps")) == torch.int32
     assert default_index_dtype(torch.device("cpu")) == torch.int64

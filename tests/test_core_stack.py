@@ -191,13 +191,13 @@ def test_ratio_zero_and_outside_the_step_window_are_bitwise_noops_and_remove_res
 
 def _count_plans(monkeypatch):
     made = []
-    real = tome_core.patch.plan_stack
+    real = tome_core.methods.stack.plan_stack
 
     def counting(metric, h, w, ratio, idt):
         made.append((tuple(metric.shape), h, w))
         return real(metric, h, w, ratio, idt)
 
-    monkeypatch.setattr("tome_core.patch.plan_stack", counting)
+    monkeypatch.setattr("tome_core.methods.stack.plan_stack", counting)
     return made
 
 

@@ -115,7 +115,7 @@ def test_merging_only_the_queries_under_an_attn1_patch_is_caught(monkeypatch):
     reference = ldm_call(ldm, x, t, c)
     tomesd.remove_patch(model)
     kernel_difference = max_diff(forge_call(forge, x, t, c), ldm_call(ldm, x, t, c))
-    monkeypatch.setattr(tome_core.patch, "_map_kv_sources", lambda *args: None)
+    monkeypatch.setattr(tome_core.methods.tome, "map_kv_sources", lambda *args: None)
     tome_core.apply_patch(forge, ratio=0.5, use_rand=False)
     naive = forge_call(forge, x, t, c, (identity_attn1_patch,))
     tome_core.remove_patch(forge)

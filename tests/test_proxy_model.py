@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tome_core
+import tome_core.methods.tome
 import tome_core.patch
 from tome_core.bench import proxy
 from tome_core.bench.pipeline import Pipeline, sd_alphas_cumprod
@@ -77,12 +78,12 @@ def _random_metric_plan(seed: int):
     """``plan_split`` as the engine calls it, but scoring similarity on Gaussian noise instead of the block
     input: the same partition, the same number of merged tokens and the same merge/unmerge, with each merged
     source going to a uniformly random destination. What merging costs when it ignores the picture."""
-    real = tome_core.patch.plan_split
+    real = tome_core.methods.tome.plan_split
     gen = torch.Generator().manual_seed(seed)
 
-    def plan_split(metric, layout, r, *args, **kwargs):
+    def plan_split(metric, rows, r, *args, **kwargs):
         noise = torch.randn(metric.shape, generator=gen).to(metric.device, metric.dtype)
-        return real(noise, layout, r, *args, **kwargs)
+        return real(noise, rows, r, *args, **kwargs)
     return plan_split
 
 
@@ -91,7 +92,7 @@ def _change(pipe: Pipeline, x: torch.Tensor, t: torch.Tensor, base: torch.Tensor
     """RMS change of the predicted noise under a merge at ``ratio``, relative to the prediction's RMS."""
     with pytest.MonkeyPatch.context() as mp:
         if random_destinations:
-            mp.setattr(tome_core.patch, "plan_split", _random_metric_plan(seed=11))
+            mp.setattr(tome_core.methods.tome, "plan_split", _random_metric_plan(seed=11))
         tome_core.apply_patch(pipe.unet, ratio=ratio, use_rand=False)
         try:
             out = _predict(pipe, x, t)
@@ -209,7 +210,7 @@ def _step_db(pipe: Pipeline, trajectory, ratio: float, random_destinations: bool
                      tome_core.remove_patch, "ToMe")
     with pytest.MonkeyPatch.context() as mp:
         if random_destinations:
-            mp.setattr(tome_core.patch, "plan_split", _random_metric_plan(seed=11))
+            mp.setattr(tome_core.methods.tome, "plan_split", _random_metric_plan(seed=11))
         return statistics.median(step_errors(pipe, [tome], trajectory)["ToMe"])
 
 

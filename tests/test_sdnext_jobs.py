@@ -162,7 +162,8 @@ def test_a_failing_job_leaves_no_patch_and_the_next_job_is_plain(fresh):
     ([{"enabled": True, "ratio": 2.0}], "ratio"),
     ([{"enabled": True, "method": "tomesd"}], "method"),
     ([{"enabled": True, "colour": "red"}], "unknown key 'colour'"),
-    ([True, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest", 0.0, 1.0, 1, False, "extra"], "at most"),
+    ([True, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest", 0.0, 1.0, 1, False, 3, 2,
+      "extra"], "at most"),
 ])
 def test_bad_arguments_give_one_console_line_and_a_plain_job(fresh, capsys, args, message):
     plain = fresh.txt2img()
@@ -227,3 +228,15 @@ def test_batches_of_a_job_each_get_their_seed(fresh):
     fresh.stop_recording()
     second = fresh.txt2img([{"enabled": True, "ratio": 0.5}], seed=SEED + 1)
     assert torch.equal(job["images"][1], image(second))
+
+
+def test_a_cache_job_reuses_between_full_steps_and_gives_its_pixels_again(fresh):
+    """SD.Next calls no hook per step: Cache places each U-Net call by the progress the pass watch reports."""
+    plain = fresh.txt2img()
+    args = [{"enabled": True, "method": "Cache", "cache_warmup": 1, "cache_interval": 2}]
+    job = fresh.txt2img(args)
+    assert not torch.equal(image(job), image(plain))
+    assert torch.equal(image(fresh.txt2img(args)), image(job))
+    assert torch.equal(image(fresh.txt2img()), image(plain))
+    assert tome_keys(job["info"]["infotexts"][0]) == {"ToMe ratio": 0.5, "ToMe method": "Cache",
+                                                      "ToMe cache interval": 2, "ToMe cache warmup": 1}

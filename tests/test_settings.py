@@ -12,12 +12,13 @@ import pytest
 
 import tome_core
 from tome_core import settings as tm
-from tome_core.options import METHODS, TODO_POOLS
+from tome_core.methods import METHOD_NAMES as METHODS
+from tome_core.options import TODO_POOLS
 from tome_core.settings import TokenMergeSettings
 
 API_KEYS = ("enabled", "ratio", "hr_only", "hr_ratio", "method", "max_downsample", "sx", "sy", "use_rand",
             "merge_crossattn", "merge_mlp", "todo_factor", "todo_pool", "step_start", "step_end", "local_replan",
-            "size_weighted_keys")
+            "size_weighted_keys", "cache_interval", "cache_warmup")
 FIRST_RELEASE_KEYS = API_KEYS[:15]  # positional API calls written for them must keep working
 
 
@@ -64,7 +65,7 @@ def test_defaults():
     assert tm.parse_args(()) == s == tm.DISABLED
     assert s.local_replan == 1 and s.size_weighted_keys is None  # "Auto": the method's own default
     assert s.ui_values() == [False, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest",
-                             0.0, 1.0, 1, "Auto"]
+                             0.0, 1.0, 1, "Auto", 3, 2]
     ratio = tm.PARAM["ratio"]
     assert (ratio.low, ratio.high, ratio.step) == (0.0, 0.9, 0.05)
 
@@ -247,7 +248,7 @@ def test_infotexts_of_the_first_release_paste_back_unchanged():
     text = {"ToMe ratio": "0.6", "ToMe method": "ToDo", "ToMe ToDo factor": "3", "ToMe step start": "0.2"}
     pasted = {key: tm.pasted_value(key, text) for key in tm.KEYS}
     assert pasted == dict(zip(tm.KEYS, [True, 0.6, False, 0.0, "ToDo", "auto", 2, 2, True, False, False, 3,
-                                        "nearest", 0.2, 1.0, 1, "Off"]))
+                                        "nearest", 0.2, 1.0, 1, "Off", 3, 2]))
     assert TokenMergeSettings.from_infotext(text) == TokenMergeSettings(True, 0.6, method="todo", todo_factor=3,
                                                                         step_start=0.2, size_weighted_keys=False)
 
@@ -309,7 +310,8 @@ def test_xyz_axes():
     axes = {axis.label: axis for axis in tm.XYZ_AXES}
     assert axes["[ToMe] Stride"].overrides(3) == {"sx": 3, "sy": 3}
     assert axes["[ToMe] Hires ratio"].txt2img_only and not axes["[ToMe] Ratio"].txt2img_only
-    assert axes["[ToMe] Method"].choices == ("ToMe", "ToDo", "Local", "Stack")
+    assert axes["[ToMe] Method"].choices == ("ToMe", "ToDo", "Local", "Stack", "Cache")
+    assert axes["[ToMe] Cache interval"].overrides(4) == {"cache_interval": 4}
     assert axes["[ToMe] Re-plan every"].overrides(2) == {"local_replan": 2}
     assert axes["[ToMe] Ratio"].value_type is float and axes["[ToMe] Stride"].value_type is int
     with pytest.raises(ValueError, match=r"\[ToMe\] Ratio: ratio must be a number in \[0.0, 0.9\], got 1.5"):
@@ -331,7 +333,8 @@ def test_size_weighted_keys_reaches_the_engine_infotext_and_paste_back():
     text = s.to_infotext()
     assert text["ToMe size-weighted keys"] is True
     assert TokenMergeSettings.from_infotext({k: str(v) for k, v in text.items()}) == s.effective()
-    assert tm.parse_args([True, 0.5] + [tm.PARAM[k].default for k in API_KEYS[2:-1]] + [True]).size_weighted_keys
+    at = API_KEYS.index("size_weighted_keys")
+    assert tm.parse_args([True, 0.5] + [tm.PARAM[k].default for k in API_KEYS[2:at]] + [True]).size_weighted_keys
     assert tm.parse_args([{"enabled": True, "size_weighted_keys": True}]).size_weighted_keys
     assert "size_weighted_keys" in tm.METHOD_KEYS["tome"] and "size_weighted_keys" in tm.METHOD_KEYS["local"]
     assert "size_weighted_keys" not in tm.METHOD_KEYS["todo"]
@@ -373,7 +376,7 @@ def test_an_infotext_written_before_auto_keeps_size_weighted_keys_off():
                                               ("on", True), (" OFF ", False)])
 def test_size_weighted_keys_takes_the_ui_spellings_and_the_booleans_api_callers_sent(value, canonical):
     assert tm.parse_args([{"enabled": True, "size_weighted_keys": value}]).size_weighted_keys is canonical
-    args = [True, 0.5] + [tm.PARAM[k].default for k in API_KEYS[2:-1]] + [value]
+    args = [True, 0.5] + [tm.PARAM[k].default for k in API_KEYS[2:API_KEYS.index("size_weighted_keys")]] + [value]
     assert tm.parse_args(args).size_weighted_keys is canonical
 
 

@@ -53,7 +53,8 @@ def test_controls_same_order_in_both_tabs_with_table_labels_defaults_and_bounds(
     hidden = {tm.KEYS[i] for i, c in enumerate(per_tab["img2img"]) if c.visible is False}
     # The accordion's value checkbox is always hidden; the controls of the methods not chosen (ToDo's and
     # the local method's, the default being ToMe) wait for the method radio.
-    assert hidden == {"hr_only", "hr_ratio"} | {"enabled"} | {"todo_factor", "todo_pool", "local_replan"}
+    assert hidden == {"hr_only", "hr_ratio"} | {"enabled"} | {"todo_factor", "todo_pool", "local_replan",
+                                                              "cache_interval", "cache_warmup"}
 
 
 def test_ratio_slider_and_advanced_panel(host):
@@ -202,7 +203,7 @@ def test_metadata_and_script_module_names():
 def test_api_info_lists_the_choices_the_api_accepts(host):
     info = host.webui.script("txt2img", "ToMe").api_info
     by_label = {arg["label"]: arg for arg in info["args"]}
-    assert by_label["Merge method"]["choices"] == ["ToMe", "ToDo", "Local", "Stack"]
+    assert by_label["Merge method"]["choices"] == ["ToMe", "ToDo", "Local", "Stack", "Cache"]
     assert by_label["Re-plan every (steps)"]["maximum"] == options.MAX_LOCAL_REPLAN
     assert by_label["Merge levels (max downsample)"]["choices"] == ["auto", "1", "2", "4", "8"]
     assert json.dumps(info)  # serialisable, as /sdapi/v1/script-info needs

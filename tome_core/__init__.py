@@ -1,6 +1,6 @@
 """Token Merging (ToMe for SD), Token Downsampling (ToDo), local merging (one plan per level from 2×2 windows,
 ``tome_core.local``) and stack merging (whole transformer stacks on merged tokens, ``tome_core.stack``) for
-ldm/sgm and diffusers U-Nets.
+ldm/sgm and diffusers U-Nets. Each method is one entry of ``METHODS`` (``tome_core.methods``).
 
 Pure PyTorch: nothing here imports the webui, gradio, ldm, sgm or diffusers. Public API::
 
@@ -13,13 +13,14 @@ Pure PyTorch: nothing here imports the webui, gradio, ldm, sgm or diffusers. Pub
 from .local import LocalPlan, plan_local
 from .stack import StackPlan, plan_stack
 from .merge import MergePlan, downsample_tokens, plan_merge
+from .methods import METHODS, Method, method_named
 from .options import MergeOptions, effective_ratio, ratio_cap
 from .patch import (PatchedBlock, apply_patch, get_patch, is_patched, patched_blocks, remove_patch, resolve_unet,
                     set_progress)
 
 __all__ = [
-    "LocalPlan", "MergeOptions", "MergePlan", "PatchedBlock", "StackPlan", "apply_patch", "downsample_tokens",
-    "effective_ratio", "get_patch", "is_patched", "patched_blocks", "plan_local", "plan_merge", "plan_stack",
-    "ratio_cap", "remove_patch", "resolve_unet", "set_progress",
+    "LocalPlan", "METHODS", "MergeOptions", "MergePlan", "Method", "PatchedBlock", "StackPlan", "apply_patch",
+    "downsample_tokens", "effective_ratio", "get_patch", "is_patched", "method_named", "patched_blocks", "plan_local",
+    "plan_merge", "plan_stack", "ratio_cap", "remove_patch", "resolve_unet", "set_progress",
 ]
 __version__ = "1.0.0"

@@ -34,6 +34,7 @@ tensor is ``argmax``'s result, converted before use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -41,7 +42,6 @@ import torch.nn.functional as F
 
 WINDOW = 2  # side of a window; a window holds WINDOW² = 4 tokens
 MAX_MERGES = 3  # per window: all 4 tokens into one
-RATIO_CAP = 1.0 - 1.0 / (WINDOW * WINDOW)
 
 # Window locals: 0 top-left, 1 top-right, 2 bottom-left, 3 bottom-right.
 _PAIRS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
@@ -127,28 +127,51 @@ def _candidate_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return first, incidence, sizes
 
 
+@dataclass(frozen=True)
+class WindowTables:
+    """Everything of a local (or stack) plan that depends only on (B, grid, ratio): static tables, built on
+    the CPU with int64 arithmetic and then moved (so no integer op runs on the device), indexed by the chosen
+    candidate. Index tensors are of the caller's index dtype.
+
+    Attributes:
+        merged: M (kept tokens per row).
+        window_rows: (B·W·4,) the flat input row of local l of window j in batch row b, at b·W·4 + j·4 + l.
+        incidence: (16, 11) float32, see ``_candidate_tables``.
+        penalty: (B·W, 11) float32, 0 for the candidates the window may take (its merge count; with one
+            merge, the fixed pair only), −1e4 elsewhere.
+        candidate_offset: (B·W,) (b·W + j)·11: adds window (b, j) to its chosen candidate's number.
+        first_rows: (B·W·11, 4) for window (b, j) and candidate c, the flat input rows of its groups' first
+            members.
+        first_sizes: (B·W·11, 4) float32, the same groups' sizes.
+        edge_rows: (B·E,) the flat input rows of the never-merged edge tokens (None when the windows cover
+            the grid); edge_sizes: (B·E,) their sizes (ones), or None.
+        keep_pick: (B·M,) picks, for batch row b: its windows' real slots, then its edges, out of
+            [first rows of the chosen candidates (B·W·4), edge_rows].
+        fixed_keep: (B·M,) the plan's ``keep_index`` when no window has a choice, else None; fixed_sizes its
+            groups' sizes.
+    """
+
+    merged: int
+    window_rows: torch.Tensor
+    incidence: torch.Tensor
+    penalty: torch.Tensor
+    candidate_offset: torch.Tensor
+    first_rows: torch.Tensor
+    first_sizes: torch.Tensor
+    edge_rows: torch.Tensor | None
+    edge_sizes: torch.Tensor | None
+    keep_pick: torch.Tensor
+    fixed_keep: torch.Tensor | None
+    fixed_sizes: torch.Tensor | None
+
+
 # Few entries: one plan's tables are O(B·N) integers (about 1 MB for SD 1.5's top level at 1024 px, batch 2),
 # kept while a generation runs at one size; a hires pass or a second batch size adds one.
 @lru_cache(maxsize=8)
-def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt: torch.dtype):
-    """Everything of a plan that depends only on (B, grid, ratio): static tables, built on the CPU with
-    int64 arithmetic and then moved (so no integer op runs on the device), indexed by the chosen candidate.
-
-    Returns None when nothing merges (no whole window, or no merge at this ratio); else a dict with
-        merged: M (kept tokens per row);
-        window_rows: (B·W·4,) the flat input row of local l of window j in batch row b, at b·W·4 + j·4 + l;
-        incidence: (16, 11) float32, see ``_candidate_tables``;
-        penalty: (B·W, 11) float32, 0 for the candidates the window may take (its merge count; with one
-            merge, the fixed pair only), −1e4 elsewhere;
-        candidate_offset: (B·W,) (b·W + j)·11: adds window (b, j) to its chosen candidate's number;
-        first_rows: (B·W·11, 4) for window (b, j) and candidate c, the flat input rows of its groups' first
-            members;
-        edge_rows: (B·E,) the flat input rows of the never-merged edge tokens (None when the windows cover
-            the grid);
-        keep_pick: (B·M,) picks, for batch row b: its windows' real slots, then its edges, out of
-            [first rows of the chosen candidates (B·W·4), edge_rows];
-        fixed_keep: (B·M,) the plan's ``keep_index`` when no window has a choice, else None.
-    """
+def window_tables(batch: int, h: int, w: int, ratio: float, device: torch.device,
+                  idt: torch.dtype) -> WindowTables | None:
+    """The ``WindowTables`` of a batch of ``batch`` rows on an h×w grid at ``ratio``, or None when nothing
+    merges (no whole window, or no merge at this ratio)."""
     hw, ww = h // WINDOW, w // WINDOW
     windows = hw * ww
     if windows == 0:
@@ -203,13 +226,12 @@ def _layout(batch: int, h: int, w: int, ratio: float, device: torch.device, idt:
         fixed_keep = put(picked[keep_pick])
         fixed_sizes = torch.cat([first_sizes[key].reshape(-1), edge_sizes])[keep_pick].to(device)
 
-    return dict(merged=merged, fixed_keep=fixed_keep, fixed_sizes=fixed_sizes,
-                first_sizes=first_sizes.to(device), edge_sizes=edge_sizes.to(device) if e else None,
-                window_rows=put(window_rows.reshape(-1)),
-                incidence=incidence.to(device), penalty=penalty.to(device),
-                candidate_offset=put(bj * NUM_CANDIDATES),
-                first_rows=put(first_rows.reshape(batch * windows * NUM_CANDIDATES, 4)),
-                edge_rows=put(edge_rows) if e else None, keep_pick=put(keep_pick))
+    return WindowTables(merged=merged, window_rows=put(window_rows.reshape(-1)), incidence=incidence.to(device),
+                        penalty=penalty.to(device), candidate_offset=put(bj * NUM_CANDIDATES),
+                        first_rows=put(first_rows.reshape(batch * windows * NUM_CANDIDATES, 4)),
+                        first_sizes=first_sizes.to(device), edge_rows=put(edge_rows) if e else None,
+                        edge_sizes=edge_sizes.to(device) if e else None, keep_pick=put(keep_pick),
+                        fixed_keep=fixed_keep, fixed_sizes=fixed_sizes)
 
 
 def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dtype,
@@ -225,32 +247,32 @@ def plan_local(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
     batch, tokens, channels = metric.shape
     if tokens != h * w:
         raise ValueError(f"plan_local: {tokens} tokens do not fill a {h}×{w} grid")
-    layout = _layout(batch, h, w, float(ratio), metric.device, idt)
-    if layout is None:
+    tables = window_tables(batch, h, w, float(ratio), metric.device, idt)
+    if tables is None:
         return None
-    if layout["fixed_keep"] is not None:
-        return LocalPlan(layout["fixed_keep"], batch, tokens, layout["merged"], layout["fixed_sizes"])
+    if tables.fixed_keep is not None:
+        return LocalPlan(tables.fixed_keep, batch, tokens, tables.merged, tables.fixed_sizes)
     # About a dozen dispatched operations whatever the size, once per level and call: on a GPU each costs
     # host time the step may wait on, so everything that does not depend on the features is a table made
     # beforehand, and the chosen candidate indexes those tables directly.
     with torch.no_grad():
-        key = chosen_candidates(metric, layout, idt)
-        picked = layout["first_rows"].index_select(0, key).view(-1)
-        if layout["edge_rows"] is not None:
-            picked = torch.cat([picked, layout["edge_rows"]])
-        keep_index = picked.index_select(0, layout["keep_pick"])
+        key = chosen_candidates(metric, tables, idt)
+        picked = tables.first_rows.index_select(0, key).view(-1)
+        if tables.edge_rows is not None:
+            picked = torch.cat([picked, tables.edge_rows])
+        keep_index = picked.index_select(0, tables.keep_pick)
         sizes = None
         if with_sizes:
-            sizes = layout["first_sizes"].index_select(0, key).view(-1)
-            if layout["edge_sizes"] is not None:
-                sizes = torch.cat([sizes, layout["edge_sizes"]])
-            sizes = sizes.index_select(0, layout["keep_pick"])
-    return LocalPlan(keep_index, batch, tokens, layout["merged"], sizes)
+            sizes = tables.first_sizes.index_select(0, key).view(-1)
+            if tables.edge_sizes is not None:
+                sizes = torch.cat([sizes, tables.edge_sizes])
+            sizes = sizes.index_select(0, tables.keep_pick)
+    return LocalPlan(keep_index, batch, tokens, tables.merged, sizes)
 
 
-def chosen_candidates(metric: torch.Tensor, layout: dict, idt: torch.dtype) -> torch.Tensor:
+def chosen_candidates(metric: torch.Tensor, tables: WindowTables, idt: torch.dtype) -> torch.Tensor:
     """(B·W,) of ``idt``: for each window (b, j) the row (b·W + j)·11 + c of the per-candidate tables of the
-    grouping c it takes, from tokens ``metric`` (B, N, C) and a ``_layout``'s tables.
+    grouping c it takes, from tokens ``metric`` (B, N, C) and the grid's ``WindowTables``.
 
     Per window, the candidate with the window's merge count whose pairs have the highest summed cosine wins
     (with one merge: the fixed pair); ties go to the earlier candidate."""
@@ -258,40 +280,9 @@ def chosen_candidates(metric: torch.Tensor, layout: dict, idt: torch.dtype) -> t
     # (B·W, 4, C): each window's tokens as unit vectors, in at least float32 so that half-precision features
     # rank pairs by one rounding; all-zero rows stay zero (cosine 0 with everything).
     exact = metric.dtype if metric.dtype in (torch.float32, torch.float64) else torch.float32
-    win = metric.reshape(batch * tokens, channels).index_select(0, layout["window_rows"])
+    win = metric.reshape(batch * tokens, channels).index_select(0, tables.window_rows)
     unit = F.normalize(win.view(-1, 4, channels).to(exact), dim=-1, eps=torch.finfo(exact).tiny)
     cosine = torch.bmm(unit, unit.transpose(1, 2))  # (B·W, 4, 4)
     # Each candidate's summed pair cosine, and −1e4 for candidates with another merge count.
-    scores = torch.addmm(layout["penalty"].to(exact), cosine.view(-1, 16), layout["incidence"].to(exact))
-    return scores.argmax(dim=-1).to(idt) + layout["candidate_offset"]
-
-
-def reference_keep(x: torch.Tensor, h: int, w: int, ratio: float) -> torch.Tensor:
-    """The plan's meaning, written plainly with Python loops (for tests): the kept tokens (B, M, C) of ``x``
-    (B, h·w, C), with ``x`` itself as the similarity metric: per batch row, each window's groups' first
-    members in window order, then the edge tokens in token order."""
-    batch, n, _ = x.shape
-    windows_y, windows_x = h // WINDOW, w // WINDOW
-    merges = window_merges(windows_y * windows_x, ratio)
-    out = []
-    for b in range(batch):
-        rows, edges = [], []
-        for j, q in enumerate(merges):
-            wy, wx = divmod(j, windows_x)
-            tokens = [(wy * 2 + dy) * w + wx * 2 + dx for dy in (0, 1) for dx in (0, 1)]
-            feats = x[b, tokens].double()
-            unit = feats / feats.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-            best, best_groups = None, None
-            for cq, groups in CANDIDATES:
-                if cq != q or (q == 1 and SINGLE_MERGE_PAIR not in groups):
-                    continue
-                score = sum(float(unit[g[0]] @ unit[g[1]]) for g in groups if len(g) == 2)
-                if best is None or score > best + 1e-6:
-                    best, best_groups = score, groups
-            rows.extend(x[b, tokens[min(g)]] for g in best_groups)
-        for y in range(h):
-            for xx in range(w):
-                if y >= windows_y * 2 or xx >= windows_x * 2:
-                    edges.append(x[b, y * w + xx])
-        out.append(torch.stack(rows + edges))
-    return torch.stack(out)
+    scores = torch.addmm(tables.penalty.to(exact), cosine.view(-1, 16), tables.incidence.to(exact))
+    return scores.argmax(dim=-1).to(idt) + tables.candidate_offset

@@ -100,10 +100,10 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class SplitLayout:
+class SplitRows:
     """Where one partition's sources and destinations lie in the flattened (B·N, C) rows of a batch.
 
-    Made once per partition and batch size (for every block of a U-Net call at once, see ``split_layouts``),
+    Made once per partition and batch size (for every block of a U-Net call at once, see ``split_rows``),
     so a block's plan does no index arithmetic of its own.
 
     Attributes:
@@ -119,8 +119,8 @@ class SplitLayout:
         self.sources, self.destinations = sources, destinations
 
 
-def split_layouts(src: torch.Tensor, dst: torch.Tensor, batch: int, tokens: int) -> list[SplitLayout]:
-    """The ``SplitLayout`` of each of K partitions for a batch of ``batch`` rows of ``tokens`` tokens.
+def split_rows(src: torch.Tensor, dst: torch.Tensor, batch: int, tokens: int) -> list[SplitRows]:
+    """The ``SplitRows`` of each of K partitions for a batch of ``batch`` rows of ``tokens`` tokens.
 
     Args:
         src, dst: (K, Ns) and (K, Nd) token positions, as ``partition`` gives them; or (Ns,) and (Nd,) for one.
@@ -132,7 +132,7 @@ def split_layouts(src: torch.Tensor, dst: torch.Tensor, batch: int, tokens: int)
     dst_rows = dst2[:, None, :] + offsets
     both = torch.cat([src_rows, dst_rows], dim=2).reshape(k, batch * tokens)
     src_rows, dst_rows = src_rows.reshape(k, batch * ns), dst_rows.reshape(k, batch * nd)
-    return [SplitLayout(b, s, d, ns, nd)
+    return [SplitRows(b, s, d, ns, nd)
             for b, s, d in zip(both.unbind(0), src_rows.unbind(0), dst_rows.unbind(0))]
 
 
@@ -174,23 +174,23 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
         r: tokens to remove; capped at Ns. None is returned when nothing can merge (r = 0, or a grid
             smaller than one stride cell, which has no destinations).
     """
-    return plan_split(metric, split_layouts(src, dst, metric.shape[0], metric.shape[1])[0], r, chunk_elements)
+    return plan_split(metric, split_rows(src, dst, metric.shape[0], metric.shape[1])[0], r, chunk_elements)
 
 
-def plan_split(metric: torch.Tensor, layout: SplitLayout, r: int,
+def plan_split(metric: torch.Tensor, rows: SplitRows, r: int,
                chunk_elements: int = 1 << 22) -> MergePlan | None:
-    """``plan_merge`` on a partition already laid out for this batch (``split_layouts``): what a patched block
+    """``plan_merge`` on a partition already laid out for this batch (``split_rows``): what a patched block
     calls, its layout made with every other block's at the U-Net call's first block."""
     batch, tokens, channels = metric.shape
-    ns, nd = layout.sources, layout.destinations
+    ns, nd = rows.sources, rows.destinations
     r = min(int(r), ns)
     if r <= 0 or nd == 0:
         return None
-    idt = layout.both.dtype
+    idt = rows.both.dtype
     device = metric.device
     with torch.no_grad():
         # One gather puts each row's sources first and its destinations after them; a and b are views.
-        split = metric.reshape(batch * tokens, channels).index_select(0, layout.both).view(batch, tokens, channels)
+        split = metric.reshape(batch * tokens, channels).index_select(0, rows.both).view(batch, tokens, channels)
         # Cosine similarity, but only the destinations are normalised before the matmul: a source's norm
         # does not change which destination is best, so it divides the (B, Ns) best scores afterwards.
         # Norms and that division are at least float32 for half-precision tokens too, so the scores that rank
@@ -208,8 +208,8 @@ def plan_split(metric: torch.Tensor, layout: SplitLayout, r: int,
         by_place = _flat(order, ns)
         slots = best.to(idt).reshape(-1).index_select(0, by_place) * merged_mask + base
         slot_index = torch.empty(batch * tokens, dtype=idt, device=device)
-        slot_index.index_put_((layout.src.index_select(0, by_place),), slots)
-        slot_index.index_put_((layout.dst,), dst_slots)
+        slot_index.index_put_((rows.src.index_select(0, by_place),), slots)
+        slot_index.index_put_((rows.dst,), dst_slots)
         merged_tokens = ns - r + nd
         counts = metric.new_zeros(batch * merged_tokens, 1).index_add_(0, slot_index,
                                                                      _ones(batch * tokens, metric.dtype, device))

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-METHODS = ("tome", "todo", "local", "stack")
+from .methods import method_named
+
 TODO_POOLS = ("nearest", "average")
 MAX_DOWNSAMPLES = (1, 2, 4, 8)
 MAX_STRIDE = 8
@@ -17,8 +18,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # The bounds every way in shares (the engine's checks, the settings and the UI's sliders): one set.
 MAX_RATIO = 0.9  # the stride caps what is used anyway (ratio_cap: 0.75 at 2×2)
 MAX_LOCAL_REPLAN = 10
-LOCAL_WINDOW = 2  # the local and stack methods' windows are 2×2 tokens, whatever the ToMe stride
-WINDOW_METHODS = ("local", "stack")  # the methods that group tokens in those windows
+MAX_CACHE_INTERVAL = 10
+MAX_CACHE_WARMUP = 20
 
 
 def ratio_cap(sx: int, sy: int) -> float:
@@ -29,12 +30,6 @@ def ratio_cap(sx: int, sy: int) -> float:
 def effective_ratio(ratio: float, sx: int, sy: int) -> float:
     """The ratio really applied on a grid the stride divides: requests above the cap merge every source."""
     return min(float(ratio), ratio_cap(sx, sy))
-
-
-def method_strides(method: str, sx: int, sy: int) -> tuple[int, int]:
-    """The cell whose one kept token caps the ratio: the stride for ToMe (and ToDo, whose ratio is unused),
-    the fixed 2×2 window for the local and stack methods."""
-    return (LOCAL_WINDOW, LOCAL_WINDOW) if method in WINDOW_METHODS else (sx, sy)
 
 
 def check_number(name: str, value: Any, low: float, high: float, *, high_inclusive: bool = True,
@@ -88,6 +83,8 @@ class MergeOptions:
     score_chunk_elements: int | None = None
     local_replan: int = 1
     size_weighted_keys: bool = False
+    cache_interval: int = 3
+    cache_warmup: int = 2
 
     def __post_init__(self) -> None:
         check_number("ratio", self.ratio, 0.0, MAX_RATIO)
@@ -102,10 +99,12 @@ class MergeOptions:
         if self.index_dtype is not None and self.index_dtype not in INDEX_DTYPES:
             raise ValueError(f"index_dtype must be torch.int32, torch.int64 or None (automatic), "
                              f"got {self.index_dtype!r}")
-        check_choice("method", self.method, METHODS)
+        method_named(self.method)  # a method without an entry is refused, naming those that have one
         check_number("todo_factor", self.todo_factor, 1, MAX_TODO_FACTOR, integer=True)
         check_choice("todo_pool", self.todo_pool, TODO_POOLS)
         check_number("local_replan", self.local_replan, 1, MAX_LOCAL_REPLAN, integer=True)
+        check_number("cache_interval", self.cache_interval, 1, MAX_CACHE_INTERVAL, integer=True)
+        check_number("cache_warmup", self.cache_warmup, 0, MAX_CACHE_WARMUP, integer=True)
         check_number("step_start", self.step_start, 0.0, 1.0)
         check_number("step_end", self.step_end, 0.0, 1.0)
         if self.step_start > self.step_end:
@@ -115,7 +114,7 @@ class MergeOptions:
             check_number("score_chunk_elements", self.score_chunk_elements, 1, 1 << 40, integer=True)
             object.__setattr__(self, "score_chunk_elements", int(self.score_chunk_elements))
         # Normalise whole floats (e.g. from JSON) so equality and hashing behave.
-        for name in ("sx", "sy", "todo_factor", "local_replan"):
+        for name in ("sx", "sy", "todo_factor", "local_replan", "cache_interval", "cache_warmup"):
             object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("ratio", "step_start", "step_end"):
             object.__setattr__(self, name, float(getattr(self, name)))

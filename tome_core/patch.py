@@ -1,19 +1,16 @@
 """Reversible patching of U-Nets (ldm/sgm and diffusers): forward hooks only, no class swap, nothing global.
 
 What differs between the families (which module is a transformer, how its calls name their arguments) is in
-``tome_core.families``; the hooks and plans here are the same for all. Per patched transformer block:
-- the enclosing transformer's pre-hook records the block's token grid (h, w) from its input, so the
-  grid is known exactly for every latent size and call style;
-- the block's pre-hook computes one merge plan from the block input (or nothing outside the step window,
-  at ratio 0, or on a level that is not selected), and its post-hook drops it;
-- pre/post hooks on ``attn1`` / ``attn2`` / ``ff`` merge their input and unmerge their output (ToMe), or give
-  ``attn1`` a reduced key/value source: a downsampled grid (ToDo) or the level's local plan's kept tokens
-  (Local).
-The stack method hooks each selected transformer's first and last block instead: the first block's pre-hook
-merges the tokens by the level's plan, every block runs on them, and the last block's post-hook restores them
-(``tome_core.stack``).
-The U-Net's own pre-hook records the call's timestep for the random partition. A block with no plan runs
-exactly its original code.
+``tome_core.families``; what differs between the methods (how they plan, what they hook, what they keep between
+calls) is in ``tome_core.methods``, one entry each. ``TokenMergePatch`` is what every method shares:
+- the selected blocks, by the options' levels, each with its record (``BlockRecord``);
+- the enclosing transformer's pre-hook records its blocks' token grid (h, w) from its input, so the grid is known
+  exactly for every latent size and call style;
+- sampling progress (``set_progress``) and the step window, and a clock that places each U-Net call among the
+  sampling evaluations (``CallClock``);
+- the U-Net's own pre-hook, which starts each call (the clock, then the method's ``begin_call``);
+- the handles of every hook and the attention forwards it set, removed exactly on restore.
+A block the method gives nothing to do runs exactly its original code.
 
 Our markers (``_tokenmerge_patch``) differ from tomesd's (``ToMeBlock``, ``_tome_info``, ``_parent``), so the
 webui's built-in ``tomesd.remove_patch`` and ours never undo each other.
@@ -27,41 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .families import (BiasedAttention, Family, family_of, first_arg, nothing_to_patch, resolve_unet, set_slot,
-                       slot_value)
-from .local import LocalPlan, plan_local
-from .stack import StackPlan, plan_stack
-from .merge import MergePlan, SplitLayout, downsample_tokens, plan_split, split_layouts
-from .options import WINDOW_METHODS, MergeOptions, check_number
-from .partition import cell_choices, fixed_partition, host_key, partition, timestep_words
+from .families import BiasedAttention, first_arg, family_of, nothing_to_patch, resolve_unet
+from .methods import Method, method_named
+from .methods.base import BlockRecord
+from .options import MergeOptions, check_number
 
 PATCH_ATTR = "_tokenmerge_patch"
-DEFAULT_SEED = 0
-_TODO = object()  # plan marker: this block call downsamples keys/values on the grid
-
-
-class _BlockRecord:
-    __slots__ = ("name", "index", "level", "module", "self_attention", "grid", "plan", "key", "row", "layout",
-                 "used", "key_bias")
-
-    def __init__(self, name: str, index: int, level: int, module: nn.Module, family: Family) -> None:
-        self.name, self.index, self.level, self.module = name, index, level, module
-        self.self_attention = family.attends_to_image(module)
-        self.grid: tuple[int, int] | None = None
-        self.plan: MergePlan | object | None = None
-        # (batch, tokens) of the block input the plan was made for: an attention call on anything else (a
-        # subset of the batch, tiled tokens) runs as it would unpatched.
-        self.layout: tuple[int, int] = (0, 0)
-        self.used = False  # the plan reached at least one attention or MLP call of this block call
-        # Size-weighted keys, where the family's attention takes no bias: (B, M) for attn1's call under way.
-        self.key_bias: torch.Tensor | None = None
-        self.key = 0
-        self.row = 0  # its place among the selected blocks: its row of a call's random partitions
-
-    def take_key_bias(self) -> torch.Tensor | None:
-        """The size-weighted keys' bias pending for attn1's call under way, once."""
-        bias, self.key_bias = self.key_bias, None
-        return bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +48,36 @@ class PatchedBlock:
     level: int
     block: nn.Module
     self_attention: nn.Module | None
+
+
+class CallClock:
+    """Places each U-Net call among the sampling evaluations, from the progress the host reports.
+
+    Calls with the same progress belong to one evaluation (cond and uncond apart, or a second-order step's two
+    evaluations) and are numbered by their order in it (``slot``); a lower progress starts a new run
+    (``new_run``: a new pass or job). The host's progress rather than the timestep: reading a device timestep
+    would make the host wait for the device. Without progress, ``slot`` is None.
+    """
+
+    def __init__(self) -> None:
+        self.evaluation = -1
+        self.slot: int | None = None
+        self.new_run = False
+        self._last_progress: float | None = None
+
+    def tick(self, progress: float | None) -> None:
+        """A new U-Net call at sampling ``progress``."""
+        self.new_run = False
+        if progress is None:
+            self.slot = None
+            return
+        if self._last_progress is None or progress < self._last_progress:
+            self.evaluation, self.slot, self.new_run = 0, 0, True
+        elif progress == self._last_progress and self.slot is not None:
+            self.slot += 1
+        else:
+            self.evaluation, self.slot = self.evaluation + 1, 0
+        self._last_progress = progress
 
 
 def _is_block(module: nn.Module) -> bool:
@@ -114,19 +112,15 @@ def check_loaded(root: nn.Module) -> None:
 
 
 class TokenMergePatch:
-    """The live state of one patched model: its options, hooks and per-call facts."""
+    """The live state of one patched model: its options, the selected blocks, progress, and the method's
+    behaviour (``method_patch``)."""
 
     def __init__(self, root: nn.Module, options: MergeOptions) -> None:
         self.root = root
         self.options = options
+        self.method: Method = method_named(options.method)
         self.progress: float | None = None
-        self.timestep: torch.Tensor | float | None = None
-        self._tbits: torch.Tensor | None = None
-        # This U-Net call's random partitions, laid out for its batch: one per selected block, by (grid, batch,
-        # device, dtype); and the fixed partition's, kept while patched.
-        self._partitions: dict[tuple, list[SplitLayout]] = {}
-        self._fixed_layouts: dict[tuple, list[SplitLayout]] = {}
-        self._keys: dict[torch.device, torch.Tensor] = {}
+        self.clock = CallClock()
         self._handles: list = []
         # (attn1, the forward this patch set on it): modules whose calls this patch computes itself.
         self._own_attention: list[tuple[nn.Module, BiasedAttention]] = []
@@ -135,89 +129,56 @@ class TokenMergePatch:
         # replacement): the host tells the user once per job.
         self.unmerged_calls = 0
         self.unused_plans = 0
-        self.records: list[_BlockRecord] = []
-        self.selected: list[_BlockRecord] = []
-        # The local and stack methods' plans: this U-Net call's, by level; and those kept for reuse across
-        # sampling evaluations, by (level, call slot within the evaluation, h, w). See ``_begin_level_call``.
+        self.records: list[BlockRecord] = []
+        self.selected: list[BlockRecord] = []
         family = family_of(root)
         if family is None:  # no transformer of any family: refused, never taken for ldm
             raise nothing_to_patch(root)
         self.family = family
-        self._has_call_hook = self.family.is_unet(root)
-        self._level_plans: dict[int, LocalPlan | StackPlan | None] = {}
-        self._stacks_under_way: list[list] = []
-        self._kept_plans: dict[tuple, LocalPlan | None] = {}
-        self._evaluation = -1
-        self._call_slot: int | None = None
-        self._last_progress: float | None = None
-        self._fresh = True
+        self.has_call_hook = family.is_unet(root)
 
-        layout = self.family.transformer_levels(root)
-        blocks = [(tname, t, level, i, blk) for tname, t, level in layout
-                  for i, blk in enumerate(t.transformer_blocks) if _is_block(blk)]
-        if not blocks:
+        found = [(tname, t, level, i, blk) for tname, t, level in family.transformer_levels(root)
+                 for i, blk in enumerate(t.transformer_blocks) if _is_block(blk)]
+        if not found:
             raise nothing_to_patch(root)
-        # Each selected block's record, grouped by the transformer whose input tells its grid.
-        self._grid_sources: dict[int, tuple[nn.Module, list[_BlockRecord]]] = {}
-        for index, (tname, t, level, i, blk) in enumerate(blocks):
-            self.records.append(_BlockRecord(f"{tname}.transformer_blocks.{i}", index, level, blk, self.family))
+        for index, (tname, t, level, i, blk) in enumerate(found):
+            self.records.append(BlockRecord(f"{tname}.transformer_blocks.{i}", index, level, blk, family))
         levels = sorted({r.level for r in self.records})
         if options.max_downsample is None:
-            wanted = {levels[0]}
+            wanted = self.method.auto_levels(levels)
         else:
             wanted = {lv for lv in levels if 2 ** lv <= options.max_downsample}
-        for rec, (_, t, *_) in zip(self.records, blocks):
+        # Each selected transformer with its selected blocks, in call order: its input tells their grid.
+        by_transformer: dict[int, tuple[nn.Module, list[BlockRecord]]] = {}
+        for rec, (_, t, *_) in zip(self.records, found):
             if rec.level in wanted:
                 rec.row = len(self.selected)
                 self.selected.append(rec)
-                self._grid_sources.setdefault(id(t), (t, []))[1].append(rec)
+                by_transformer.setdefault(id(t), (t, []))[1].append(rec)
+        self.transformers: list[tuple[nn.Module, list[BlockRecord]]] = list(by_transformer.values())
+        self.method_patch = self.method.behaviour(self)
 
     # -- installation -------------------------------------------------------------------------------------
 
     def install(self) -> None:
-        o = self.options
-        seed = DEFAULT_SEED if o.seed is None else o.seed
-        hook = self._hook
-        family = self.family
-        if self._has_call_hook:
-            hook(self.root.register_forward_pre_hook(self._record_timestep, with_kwargs=True))
-        for t, recs in self._grid_sources.values():
-            hook(t.register_forward_pre_hook(_grid_recorder(recs, family.tokens_keyword), with_kwargs=True))
-        if o.method in WINDOW_METHODS and self._has_call_hook:
-            hook(self.root.register_forward_pre_hook(self._begin_level_call, with_kwargs=True))
-        if o.method == "stack":
-            self._install_stacks()
-            return
-        for rec in self.selected:
-            rec.key = host_key(seed, rec.index)
-            blk = rec.module
-            hook(blk.register_forward_pre_hook(_plan_maker(self, rec), with_kwargs=True))
-            hook(blk.register_forward_hook(_plan_dropper(self, rec)))
-            if self.weighs_keys and rec.self_attention and family.bias_keyword is None:
-                forward = family.biased_attention(blk.attn1, rec.take_key_bias)
-                blk.attn1.forward = forward
-                self._own_attention.append((blk.attn1, forward))
-            if o.method in ("todo", "local"):
-                hook(blk.attn1.register_forward_pre_hook(_kv_reducer(self, rec, o), with_kwargs=True))
-                continue
-            for wanted, sub, self_attention in ((o.merge_attn, blk.attn1, rec.self_attention),
-                                                (o.merge_crossattn, blk.attn2, False), (o.merge_mlp, blk.ff, False)):
-                if wanted and isinstance(sub, nn.Module):  # diffusers blocks without text have attn2 None
-                    merged_calls: list[bool] = []  # this module's calls under way: merged or not
-                    hook(sub.register_forward_pre_hook(_merger(self, rec, self_attention, merged_calls),
-                                                       with_kwargs=True))
-                    hook(sub.register_forward_hook(_unmerger(rec, merged_calls)))
+        if self.has_call_hook:
+            self.hook(self.root.register_forward_pre_hook(self._begin_call, with_kwargs=True))
+        for t, recs in self.transformers:
+            self.hook(t.register_forward_pre_hook(_grid_recorder(recs, self.family.tokens_keyword),
+                                                  with_kwargs=True))
+        self.method_patch.install()
 
-    def _install_stacks(self) -> None:
-        """The stack method's hooks: on each selected transformer's first block (merge by the level's plan)
-        and its last (restore); every block in between runs on the merged tokens as it is."""
-        keyword = self.family.tokens_keyword
-        for _, recs in self._grid_sources.values():
-            under_way: list = []  # this stack's calls under way: (plan, offsets, merged shape), or None
-            self._stacks_under_way.append(under_way)
-            self._hook(recs[0].module.register_forward_pre_hook(_stack_entry(self, recs[0], under_way, keyword),
-                                                                with_kwargs=True))
-            self._hook(recs[-1].module.register_forward_hook(_stack_exit(self, under_way)))
+    def hook(self, handle) -> None:
+        """Keep a hook's handle, for the restore."""
+        self._handles.append(handle)
+
+    def take_key_bias_in_attention(self, rec: BlockRecord) -> None:
+        """Where the family's attention takes no logit bias, run ``rec``'s self-attention with the family's
+        ``biased_attention``, which takes the size-weighted keys' bias from the record."""
+        if self.family.bias_keyword is None:
+            forward = self.family.biased_attention(rec.module.attn1, rec.take_key_bias)
+            rec.module.attn1.forward = forward
+            self._own_attention.append((rec.module.attn1, forward))
 
     @property
     def blocks(self) -> tuple[PatchedBlock, ...]:
@@ -225,14 +186,11 @@ class TokenMergePatch:
         return tuple(PatchedBlock(rec.name, rec.level, rec.module, rec.module.attn1 if rec.self_attention else None)
                      for rec in self.selected)
 
-    def _hook(self, handle) -> None:
-        self._handles.append(handle)
-
     @property
     def weighs_keys(self) -> bool:
         """Size-weighted keys are on, for a method whose keys stand for groups of unequal size (ToDo's all
         stand for f² tokens: the same log added to every logit changes nothing)."""
-        return self.options.size_weighted_keys and self.options.method in ("tome", "local")
+        return self.options.size_weighted_keys and self.method.weighs_keys
 
     def uninstall(self) -> None:
         for handle in self._handles:
@@ -248,319 +206,30 @@ class TokenMergePatch:
         for rec in self.records:
             rec.plan = None
             rec.grid = None
-        self._level_plans.clear()
-        self._kept_plans.clear()
-        self._stacks_under_way.clear()
-        self._partitions.clear()
-        self._fixed_layouts.clear()
+        self.method_patch.uninstall()
 
     # -- per call -----------------------------------------------------------------------------------------
 
-    def _record_timestep(self, module, args, kwargs):
-        self.timestep = slot_value(args, kwargs, *self.family.timestep_slot)
-        self._tbits = None
-        self._partitions.clear()
+    def _begin_call(self, module, args, kwargs):
+        self.clock.tick(self.progress)
+        self.method_patch.begin_call(args, kwargs)
 
-    def timestep_bits(self, device: torch.device) -> torch.Tensor:
-        if self._tbits is None or self._tbits.device != device:
-            self._tbits = timestep_words(self.timestep, device)
-        return self._tbits
-
-    def partition_layouts(self, h: int, w: int, batch: int, device: torch.device,
-                          idt: torch.dtype) -> list[SplitLayout]:
-        """The partitions of an h×w grid laid out for ``batch`` rows: with the random partition one per
-        selected block (item k for selected block k), for this U-Net call only, made at the first block that
-        needs them in one pass of tensor ops for all blocks (on a GPU, per-block tensor ops would cost host
-        time that the step waits on); with the fixed one a single item, kept while patched."""
-        o = self.options
-        cache = self._partitions if o.use_rand else self._fixed_layouts
-        cache_key = (h, w, batch, device, idt)
-        found = cache.get(cache_key)
-        if found is None:
-            if o.use_rand:
-                keys = self._keys.get(device)
-                if keys is None:
-                    keys = self._keys[device] = torch.tensor([r.key for r in self.selected], dtype=torch.int32,
-                                                             device=device)
-                choice = cell_choices(keys, self.timestep_bits(device), (h // o.sy) * (w // o.sx), o.sx * o.sy)
-                src, dst = partition(h, w, o.sx, o.sy, choice, idt)
-            else:
-                src, dst = fixed_partition(h, w, o.sx, o.sy, device, idt)
-            found = cache[cache_key] = split_layouts(src, dst, batch, h * w)
-        return found
-
-    def _begin_level_call(self, module, args, kwargs):
-        """A new U-Net call: forget this call's plans (and a stack left under way by a call that raised), and
-        place the call among the sampling evaluations.
-
-        Evaluations are told apart by the sampling progress the host reports (``set_progress``): calls with
-        the same progress belong to one evaluation (cond and uncond apart, or a second-order step's two
-        evaluations) and are numbered by their order in it (the call slot); a lower progress starts a new
-        run. Every ``local_replan``-th evaluation of a run makes fresh plans; the others reuse the plan of
-        their call slot. The host's progress rather than the timestep: reading a device timestep would make
-        the host wait for the device. Without progress, or with ``local_replan`` 1, every call plans anew.
-        """
-        self._level_plans.clear()
-        for under_way in self._stacks_under_way:
-            under_way.clear()
-        every = self.options.local_replan
-        progress = self.progress
-        if progress is None or every <= 1:
-            self._call_slot, self._fresh = None, True
-            self._kept_plans.clear()
-            return
-        if self._last_progress is None or progress < self._last_progress:
-            self._evaluation, self._call_slot = 0, 0
-            self._kept_plans.clear()
-        elif progress == self._last_progress:
-            self._call_slot += 1
-        else:
-            self._evaluation, self._call_slot = self._evaluation + 1, 0
-        self._last_progress = progress
-        self._fresh = self._evaluation % every == 0
-
-    def level_plan(self, rec: _BlockRecord, x: torch.Tensor) -> LocalPlan | StackPlan | None:
-        """The local or stack plan of ``rec``'s level for this call: made from the first patched block (the
-        first stack) of the level that the call reaches (and kept, or taken from an earlier evaluation, per
-        ``_begin_level_call``); None outside the step window, at ratio 0, or when ``x`` is not the level's h×w
-        tokens."""
-        o = self.options
-        if (rec.grid is None or not o.in_window(self.progress) or not isinstance(x, torch.Tensor)
-                or x.dim() != 3 or o.ratio <= 0):
-            return None
+    def acts_on(self, rec: BlockRecord, x: Any) -> bool:
+        """Whether ``rec``'s call on input ``x`` is one a method may act on: inside the step window, on the
+        block's h×w grid of tokens (B, h·w, C)."""
+        if rec.grid is None or not self.options.in_window(self.progress):
+            return False
         h, w = rec.grid
-        if x.shape[1] != h * w:
-            return None
-        idt = o.index_dtype or default_index_dtype(x.device)
-        sizes = self.weighs_keys
-
-        def fresh_plan() -> LocalPlan | StackPlan | None:
-            if o.method == "stack":
-                return plan_stack(x, h, w, o.ratio, idt)
-            return plan_local(x, h, w, o.ratio, idt, sizes)
-
-        if not self._has_call_hook:  # a lone transformer: no call boundary to share a plan within
-            return fresh_plan()
-        if rec.level in self._level_plans:
-            plan = self._level_plans[rec.level]
-            return plan if plan is not None and plan.fits(x) else None
-        key = (rec.level, self._call_slot, h, w)
-        plan = None
-        if self._call_slot is not None and not self._fresh:
-            kept = self._kept_plans.get(key)
-            plan = kept if kept is not None and kept.fits(x) else None
-        if plan is None:
-            plan = fresh_plan()
-            if self._call_slot is not None:
-                self._kept_plans[key] = plan
-        self._level_plans[rec.level] = plan
-        return plan
-
-    def make_plan(self, rec: _BlockRecord, x: torch.Tensor):
-        o = self.options
-        if o.method == "local":
-            return self.level_plan(rec, x) if rec.self_attention else None
-        if rec.grid is None or not o.in_window(self.progress) or x is None or x.dim() != 3:
-            return None
-        h, w = rec.grid
-        tokens = x.shape[1]
-        if tokens != h * w:
-            return None
-        if o.method == "todo":
-            return _TODO if o.todo_factor > 1 and rec.self_attention else None
-        r = int(tokens * o.ratio)
-        cells = (h // o.sy) * (w // o.sx)
-        if r <= 0 or cells == 0:
-            return None
-        idt = o.index_dtype or default_index_dtype(x.device)
-        layouts = self.partition_layouts(h, w, x.shape[0], x.device, idt)
-        layout = layouts[rec.row] if o.use_rand else layouts[0]
-        return plan_split(x, layout, r, o.score_chunk_elements or default_score_chunk(x.device))
+        return isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] == h * w
 
 
-def default_index_dtype(device: torch.device) -> torch.dtype:
-    """int32 on Apple's MPS, whose int64 support is partial (no negation, some gathers); int64 elsewhere."""
-    return torch.int32 if device.type == "mps" else torch.int64
-
-
-def default_score_chunk(device: torch.device) -> int:
-    """Similarity scores held at once while finding a merge: 4 Mi on the CPU, where smaller chunks stay fast,
-    and 64 Mi on accelerators, where many small matmuls would cost launches (128 MiB in fp16)."""
-    return 1 << 22 if device.type == "cpu" else 1 << 26
-
-
-def _grid_recorder(recs: list[_BlockRecord], keyword: str):
+def _grid_recorder(recs: list[BlockRecord], keyword: str):
     def hook(module, args, kwargs):
         x = first_arg(args, kwargs, keyword)
         grid = (int(x.shape[-2]), int(x.shape[-1])) if isinstance(x, torch.Tensor) and x.dim() == 4 else None
         for rec in recs:
             rec.grid = grid
     return hook
-
-
-def _plan_maker(patch: TokenMergePatch, rec: _BlockRecord):
-    keyword = patch.family.tokens_keyword
-
-    def hook(module, args, kwargs):
-        x = first_arg(args, kwargs, keyword)
-        rec.plan = patch.make_plan(rec, x)
-        rec.used = False
-        if rec.plan is not None:
-            rec.layout = (int(x.shape[0]), int(x.shape[1]))
-    return hook
-
-
-def _plan_dropper(patch: TokenMergePatch, rec: _BlockRecord):
-    def hook(module, args, output):
-        if rec.plan is not None and not rec.used:
-            patch.unused_plans += 1
-        rec.plan = None
-        rec.key_bias = None  # a bias no attn1 call took (an attn1 replacement) must not reach the next call
-    return hook
-
-
-def _fits(rec: _BlockRecord, x) -> bool:
-    """``x`` is laid out as the block input the block's plan (ToDo: its grid) was made for: same batch rows,
-    same tokens."""
-    return isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[0], x.shape[1]) == rec.layout
-
-
-def _merged_arguments(merge, args, kwargs, x: torch.Tensor, self_attention: bool, family: Family):
-    """The call's arguments with ``x`` merged, and with it self-attention's explicit key/value sources."""
-    done = {id(x): merge(x)}
-    args, kwargs = list(args), dict(kwargs)
-    set_slot(args, kwargs, 0, family.tokens_keyword, done[id(x)])
-    if self_attention:
-        _map_kv_sources(args, kwargs, x, merge, done, family.kv_slots)
-    return tuple(args), kwargs
-
-
-def _per_token(t, x: torch.Tensor) -> bool:
-    """``t`` holds one row per token of ``x`` (so a merge plan or the token grid applies to it)."""
-    return isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] == x.shape[:2]
-
-
-def _map_kv_sources(args: list, kwargs: dict, x: torch.Tensor, fn, done: dict, slots: tuple) -> None:
-    """Apply ``fn`` in place to each explicitly passed key/value source that has one row per token of ``x``;
-    ``done`` maps ids of tensors already mapped (Forge passes the same tensor as x, context and value).
-    Sources of another length (text, extra reference tokens) stay as they are. ``slots``: the family's
-    ``kv_slots``."""
-    for index, name in slots:
-        t = slot_value(args, kwargs, index, name)
-        if not _per_token(t, x):
-            continue
-        if id(t) not in done:
-            done[id(t)] = fn(t)
-        set_slot(args, kwargs, index, name, done[id(t)])
-
-
-def _merger(patch: TokenMergePatch, rec: _BlockRecord, self_attention: bool, merged_calls: list[bool]):
-    family = patch.family
-
-    def hook(module, args, kwargs):
-        plan = rec.plan
-        if plan is None or plan is _TODO:
-            merged_calls.append(False)
-            return None
-        x = first_arg(args, kwargs, family.tokens_keyword)
-        if not (isinstance(x, torch.Tensor) and plan.fits(x)):
-            # Called on rows or tokens the plan was not made for (ControlNet's reference mode attends with the
-            # unconditional rows alone, HyperTile tiles the tokens): exact attention on that input.
-            patch.unmerged_calls += 1
-            merged_calls.append(False)
-            return None
-        rec.used = True
-        merged_calls.append(True)
-        args, kwargs = _merged_arguments(plan.merge, args, kwargs, x, self_attention, family)
-        if self_attention and patch.weighs_keys:
-            _add_key_bias(family, rec, kwargs, plan.key_log_sizes(x.dtype))
-        return args, kwargs
-    return hook
-
-
-def _unmerger(rec: _BlockRecord, merged_calls: list[bool]):
-    def hook(module, args, output):
-        # The call that ends now is the innermost one under way (a module's calls nest, never interleave).
-        merged = merged_calls.pop() if merged_calls else False
-        if not merged or rec.plan is None or rec.plan is _TODO:
-            return None
-        return rec.plan.unmerge(output)
-    return hook
-
-
-def _stack_entry(patch: TokenMergePatch, rec: _BlockRecord, under_way: list, keyword: str):
-    """The first block of a stack: its tokens merged by the level's plan, so that every block runs on them."""
-    def hook(module, args, kwargs):
-        x = first_arg(args, kwargs, keyword)
-        plan = patch.level_plan(rec, x)
-        if plan is None:
-            under_way.append(None)
-            return None
-        merged = plan.merge(x)
-        under_way.append((plan, plan.offsets(x, merged), merged.shape))
-        args, kwargs = list(args), dict(kwargs)
-        set_slot(args, kwargs, 0, keyword, merged)
-        return tuple(args), kwargs
-    return hook
-
-
-def _stack_exit(patch: TokenMergePatch, under_way: list):
-    """The last block of a stack: its output on the merged tokens back to every token (``StackPlan.restore``)."""
-    def hook(module, args, output):
-        entry = under_way.pop() if under_way else None
-        if entry is None:
-            return None
-        plan, offsets, merged_shape = entry
-        if not (isinstance(output, torch.Tensor) and output.shape == merged_shape):
-            # Another extension gave the stack's tokens back itself (or changed them): its output stands.
-            patch.unmerged_calls += 1
-            return None
-        return plan.restore(offsets, output)
-    return hook
-
-
-def _kv_reducer(patch: TokenMergePatch, rec: _BlockRecord, options: MergeOptions):
-    """Self-attention's keys and values from fewer tokens, queries whole: ToDo's downsampled grid, or the
-    tokens the local plan keeps."""
-    family = patch.family
-    kv_source = family.kv_slots[0]
-
-    def hook(module, args, kwargs):
-        plan = rec.plan
-        if plan is None or not rec.self_attention:
-            return None
-        x = first_arg(args, kwargs, family.tokens_keyword)
-        if not _fits(rec, x) or (plan is not _TODO and not plan.fits(x)):
-            # See _merger: exact attention on an input the block's plan does not describe.
-            patch.unmerged_calls += 1
-            return None
-        rec.used = True
-        h, w = rec.grid
-
-        def downsample(t: torch.Tensor) -> torch.Tensor:
-            if plan is not _TODO:
-                return plan.merge(t)
-            return downsample_tokens(t, h, w, options.todo_factor, options.todo_pool)
-
-        args, kwargs = list(args), dict(kwargs)
-        if slot_value(args, kwargs, *kv_source) is None:  # keys and values would come from x itself
-            set_slot(args, kwargs, *kv_source, downsample(x))
-        else:
-            _map_kv_sources(args, kwargs, x, downsample, {}, family.kv_slots)
-        if plan is not _TODO and patch.weighs_keys:
-            _add_key_bias(family, rec, kwargs, plan.key_log_sizes(x.dtype))
-        return tuple(args), kwargs
-    return hook
-
-
-def _add_key_bias(family: Family, rec: _BlockRecord, kwargs: dict, log_sizes: torch.Tensor) -> None:
-    """Hand self-attention's call the log of the tokens each key stands for (B, M), added to every query's
-    logit for that key: the family's bias argument (B, 1, M), where its attention takes one and the caller
-    passed none; else the record, which the family's ``biased_attention`` takes it from."""
-    if family.bias_keyword is None:
-        rec.key_bias = log_sizes
-    elif kwargs.get(family.bias_keyword) is None:
-        kwargs[family.bias_keyword] = log_sizes[:, None, :]
 
 
 # -- public API -----------------------------------------------------------------------------------------------
@@ -571,7 +240,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                 method: str = "tome", todo_factor: int = 2, todo_pool: str = "nearest",
                 step_start: float = 0.0, step_end: float = 1.0,
                 score_chunk_elements: int | None = None, local_replan: int = 1, size_weighted_keys: bool = False,
-                **unknown: Any) -> Any:
+                cache_interval: int = 3, cache_warmup: int = 2, **unknown: Any) -> Any:
     """Patch ``model`` in place for token merging (or downsampling) and return it.
 
     ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), an ldm/sgm U-Net, a diffusers
@@ -585,15 +254,21 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
         seed: key of the random partition (with ``use_rand``), together with the call's timestep and the
             block; None means a fixed default.
         index_dtype: torch.int32 (MPS-safe) or torch.int64; None picks int32 on ``mps`` and int64 elsewhere.
-        method: "tome" (merge tokens), "todo" (downsample self-attention's keys and values) or "local"
-            (self-attention's keys and values from the tokens that stand for the groups merged inside 2×2
-            windows, by one plan per level and U-Net call; queries whole; see ``tome_core.local``; like
-            ToDo it ignores ``merge_crossattn`` and ``merge_mlp``, and it ignores ``sx``, ``sy``,
-            ``use_rand`` and ``seed``: its plan is a function of the features), or "stack" (the tokens of
-            each selected transformer stack merged once at its entrance by the local method's groups, each
-            group the mean of its tokens, every block of the stack run on them, and every token given its own
-            input plus what the stack added to its group at the exit; see ``tome_core.stack``; it reads
-            ``ratio``, ``max_downsample``, the step window, ``index_dtype`` and ``local_replan``).
+        method: one of ``tome_core.methods.METHOD_NAMES``, each a module of ``tome_core.methods``: "tome"
+            (merge tokens), "todo" (downsample self-attention's keys and values), "local" (self-attention's
+            keys and values from the tokens that stand for the groups merged inside 2×2 windows, by one plan
+            per level and U-Net call; queries whole; see ``tome_core.local``; like ToDo it ignores
+            ``merge_crossattn`` and ``merge_mlp``, and it ignores ``sx``, ``sy``, ``use_rand`` and ``seed``:
+            its plan is a function of the features), or "stack" (the tokens of each selected transformer
+            stack merged once at its entrance by the local method's groups, each group the mean of its
+            tokens, every block of the stack run on them, and every token given its own input plus what the
+            stack added to its group at the exit; see ``tome_core.stack``; it reads ``ratio``,
+            ``max_downsample``, the step window, ``index_dtype`` and ``local_replan``), or "cache" (each selected
+            transformer stack run whole on the full steps and skipped on the steps between, where every token
+            gets its own input plus its own change through the stack at the last full step; see
+            ``tome_core.methods.cache``; it reads ``max_downsample``, the step window, ``cache_interval`` and
+            ``cache_warmup``). With ``max_downsample`` None each method selects the levels where it gains: the
+            highest-resolution attention level; for Stack also SDXL's second level; for Cache every level.
         todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
         step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
         score_chunk_elements: upper bound on similarity scores held at once while finding the merge
@@ -604,6 +279,9 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             adds log k to its logit, as if its tokens were keys one by one (proportional attention, ToMe for
             ViTs). Off: the paper's ToMe for SD (and tomesd's outputs). ToDo ignores it (its keys all stand
             for f² tokens).
+        cache_interval, cache_warmup: Cache's full steps: the first ``cache_warmup`` sampling steps, then one in
+            every ``cache_interval``; the others reuse. Steps are told by ``set_progress``, or where it is
+            never called by the U-Net call's timestep.
     """
     if unknown:
         allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
@@ -614,7 +292,8 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                            seed=seed, index_dtype=index_dtype, method=method, todo_factor=todo_factor,
                            todo_pool=todo_pool, step_start=step_start, step_end=step_end,
                            score_chunk_elements=score_chunk_elements, local_replan=local_replan,
-                           size_weighted_keys=size_weighted_keys)
+                           size_weighted_keys=size_weighted_keys, cache_interval=cache_interval,
+                           cache_warmup=cache_warmup)
     root = resolve_unet(model)
     check_loaded(root)
     patch = TokenMergePatch(root, options)  # raises before anything changes if there is nothing to patch

@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
-from .options import (MAX_DOWNSAMPLES, MAX_LOCAL_REPLAN, MAX_RATIO, MAX_STRIDE, MAX_TODO_FACTOR, TODO_POOLS,
-                      WINDOW_METHODS, check_number, effective_ratio, method_strides, ratio_cap)
+from .methods import METHODS, method_named
+from .options import (MAX_CACHE_INTERVAL, MAX_CACHE_WARMUP, MAX_DOWNSAMPLES, MAX_LOCAL_REPLAN, MAX_RATIO, MAX_STRIDE,
+                      MAX_TODO_FACTOR, TODO_POOLS, check_number, effective_ratio, ratio_cap)
 
 RATIO_INFOTEXT = "ToMe ratio"
 """Written whenever ToMe is on; its presence in a pasted infotext is what turns the accordion on."""
@@ -43,13 +44,6 @@ BOOL, FLOAT, INT, CHOICE, LEVELS, SWITCH = "bool", "float", "int", "choice", "le
 SWITCH_CHOICES = ("Auto", "On", "Off")
 """A switch's spellings in the UI: Auto (canonical None: the chosen method's own default), On (True), Off (False)."""
 _SWITCH_VALUES: dict[str, bool | None] = dict(zip((c.lower() for c in SWITCH_CHOICES), (None, True, False)))
-
-SIZE_WEIGHTED_BY_METHOD: dict[str, bool] = {"tome": True, "todo": False, "local": False, "stack": False}
-"""What "Auto" size-weighted keys means per method, chosen by the benchmark's fidelity measure on the three
-shipped proxies (README, "Size-weighted keys"): on for ToMe, whose uneven groups it corrects (closer per step
-on all three at 0.25 and 0.5, 0.1 to 0.3 dB further at 0.75); off for Local (further per step at 0.25 on all
-three, no change at 0.5 and 0.75, where its groups are equal). ToDo's keys all stand for the same number of
-tokens: it would change nothing there. Stack reads no switch: its groups enter every block as one token each."""
 
 _SAME_AS_DEFAULT = object()
 
@@ -164,7 +158,7 @@ PARAMS: tuple[Param, ...] = (
     Param("hr_ratio", FLOAT, 0.0, "Hires merge ratio (0 = same)", "ToMe hr ratio", "[ToMe] Hires ratio",
           0.0, MAX_RATIO, 0.05, txt2img_only=True, engine=False),
     Param("method", CHOICE, "tome", "Merge method", "ToMe method", "[ToMe] Method",
-          choices=("ToMe", "ToDo", "Local", "Stack")),
+          choices=tuple(m.label for m in METHODS)),
     Param("max_downsample", LEVELS, None, "Merge levels (max downsample)", "ToMe max downsample",
           "[ToMe] Max downsample", choices=(AUTO_LEVELS,) + tuple(map(str, MAX_DOWNSAMPLES))),
     Param("sx", INT, 2, "Stride x", "ToMe stride x", "[ToMe] Stride", 1, MAX_STRIDE, 1),
@@ -184,14 +178,14 @@ PARAMS: tuple[Param, ...] = (
     # Off by default until Auto existed: an infotext without the key was made with it off.
     Param("size_weighted_keys", SWITCH, None, "Size-weighted keys", "ToMe size-weighted keys",
           "[ToMe] Size-weighted keys", choices=SWITCH_CHOICES, absent=False),
+    Param("cache_interval", INT, 3, "Full step every (Cache)", "ToMe cache interval", "[ToMe] Cache interval",
+          1, MAX_CACHE_INTERVAL, 1),
+    Param("cache_warmup", INT, 2, "Full steps first (Cache)", "ToMe cache warmup", "[ToMe] Cache warm-up",
+          0, MAX_CACHE_WARMUP, 1),
 )
-METHOD_KEYS: dict[str, tuple[str, ...]] = {
-    "tome": ("sx", "sy", "use_rand", "merge_crossattn", "merge_mlp", "size_weighted_keys"),
-    "todo": ("todo_factor", "todo_pool"),  # ToDo and Local reduce self-attention only
-    "local": ("local_replan", "size_weighted_keys"),
-    "stack": ("local_replan",),  # whole stacks on the merged tokens: nothing to place, nothing to weigh
-}
-"""The parameters only one method reads: the advanced panel shows those of the chosen method alone."""
+METHOD_KEYS: dict[str, tuple[str, ...]] = {m.name: m.reads for m in METHODS}
+"""The parameters only one method reads (its entry's ``reads``): the advanced panel shows those of the chosen
+method alone."""
 PARAM: dict[str, Param] = {p.key: p for p in PARAMS}
 KEYS: tuple[str, ...] = tuple(PARAM)
 INFOTEXT_KEYS: tuple[str, ...] = tuple(p.infotext for p in PARAMS if p.infotext)
@@ -222,6 +216,8 @@ class TokenMergeSettings:
     step_end: float = _default("step_end")
     local_replan: int = _default("local_replan")
     size_weighted_keys: bool | None = _default("size_weighted_keys")
+    cache_interval: int = _default("cache_interval")
+    cache_warmup: int = _default("cache_warmup")
 
     def __post_init__(self) -> None:
         for param in PARAMS:
@@ -244,14 +240,15 @@ class TokenMergeSettings:
 
     def keys_size_weighted(self) -> bool:
         """Whether self-attention weighs each key by the tokens it stands for: the switch, or with "Auto"
-        (None) the method's own default (``SIZE_WEIGHTED_BY_METHOD``)."""
+        (None) the method's own default (its entry's ``size_weighted_default``, chosen by the benchmark's
+        fidelity measure on the shipped proxies; README, "Size-weighted keys")."""
         if self.size_weighted_keys is None:
-            return SIZE_WEIGHTED_BY_METHOD[self.method]
+            return method_named(self.method).size_weighted_default
         return self.size_weighted_keys
 
     def cap_cell(self) -> tuple[int, int]:
-        """(sx, sy) of the cell that caps the ratio: the stride, or the local method's 2×2 window."""
-        return method_strides(self.method, self.sx, self.sy)
+        """(sx, sy) of the cell that caps the ratio: the stride, or a windowed method's 2×2 window."""
+        return method_named(self.method).cap_cell(self.sx, self.sy)
 
     def engine_options(self, *, hires: bool, seed: int) -> dict[str, Any]:
         """Keyword arguments of ``tome_core.apply_patch`` for one sampling pass: every parameter the engine
@@ -362,7 +359,7 @@ def ratio_note(ratio: Any, hr_ratio: Any, sx: Any, sy: Any, method: Any = "ToMe"
              if requested > cap]
     if not notes:
         return ""
-    windowed = settings.method in WINDOW_METHODS
+    windowed = method_named(settings.method).windowed
     cell = f"The {settings.method} method's 2×2 window" if windowed else f"Stride {settings.sx}×{settings.sy}"
     return f"{cell} caps the ratio at {cap:.4g}: {'; '.join(notes)}."
 

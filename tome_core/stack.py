@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import torch
 
-from .local import CANDIDATES, NUM_CANDIDATES, _layout, chosen_candidates
+from .local import CANDIDATES, NUM_CANDIDATES, WindowTables, chosen_candidates, window_tables
 
 
 class StackPlan:
@@ -91,8 +91,8 @@ class StackPlan:
 
 
 @dataclass(frozen=True)
-class _StackLayout:
-    """What a stack plan needs beyond the local layout's tables (see ``tome_core.local._layout``).
+class StackTables:
+    """What a stack plan needs beyond the local method's ``WindowTables`` (``local``).
 
     group_rows: (B·W·11, 4) for window (b, j) and candidate c, the merged row (of batch row b) of the group of
         each local l.
@@ -102,7 +102,7 @@ class _StackLayout:
     fixed: (index, counts) when no window has a choice, else None.
     """
 
-    local: dict
+    local: WindowTables
     group_rows: torch.Tensor
     edge_rows: torch.Tensor | None
     token_order: torch.Tensor
@@ -120,19 +120,19 @@ def _slot_of_local() -> torch.Tensor:
     return table
 
 
-# As few entries as the local layout's cache, for the same reason (one per batch size and grid of a generation).
+# As few entries as the local method's table cache, for the same reason (one per batch size and grid of a generation).
 @lru_cache(maxsize=8)
-def _stack_layout(batch: int, h: int, w: int, ratio: float, device: torch.device,
-                  idt: torch.dtype) -> _StackLayout | None:
-    cpu = _layout(batch, h, w, ratio, torch.device("cpu"), torch.int64)
+def stack_tables(batch: int, h: int, w: int, ratio: float, device: torch.device,
+                  idt: torch.dtype) -> StackTables | None:
+    cpu = window_tables(batch, h, w, ratio, torch.device("cpu"), torch.int64)
     if cpu is None:
         return None
     n = h * w
-    merged = cpu["merged"]
+    merged = cpu.merged
     windows = (h // 2) * (w // 2)
     bw = batch * windows
-    keep_pick = cpu["keep_pick"]
-    slots = bw * 4 + (0 if cpu["edge_rows"] is None else cpu["edge_rows"].numel())
+    keep_pick = cpu.keep_pick
+    slots = bw * 4 + (0 if cpu.edge_rows is None else cpu.edge_rows.numel())
     # Merged row of each entry of [the chosen candidates' slots (B·W·4), edges]; slots no group holds: 0 (a
     # candidate with another merge count is never chosen, so those are never read).
     row_of_slot = torch.zeros(slots, dtype=torch.long)
@@ -140,26 +140,26 @@ def _stack_layout(batch: int, h: int, w: int, ratio: float, device: torch.device
     slot = _slot_of_local()  # (11, 4)
     window_slot = (torch.arange(bw)[:, None, None] * 4 + slot[None]).reshape(bw * NUM_CANDIDATES, 4)
     group_rows = row_of_slot[window_slot]  # (B·W·11, 4)
-    edge_rows = None if cpu["edge_rows"] is None else row_of_slot[bw * 4:]
+    edge_rows = None if cpu.edge_rows is None else row_of_slot[bw * 4:]
     # Input row b·N + t: a window local at (b·W + j)·4 + l, else edge e of row b at B·W·4 + b·E + e.
     token_order = torch.empty(batch * n, dtype=torch.long)
-    token_order[cpu["window_rows"]] = torch.arange(bw * 4)
-    if cpu["edge_rows"] is not None:
-        token_order[cpu["edge_rows"]] = torch.arange(bw * 4, slots)
+    token_order[cpu.window_rows] = torch.arange(bw * 4)
+    if cpu.edge_rows is not None:
+        token_order[cpu.edge_rows] = torch.arange(bw * 4, slots)
 
     def put(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=idt)
 
     fixed = None
-    if cpu["fixed_keep"] is not None:
-        key = cpu["penalty"].argmax(-1) + torch.arange(bw) * NUM_CANDIDATES
+    if cpu.fixed_keep is not None:
+        key = cpu.penalty.argmax(-1) + torch.arange(bw) * NUM_CANDIDATES
         rows = group_rows[key].reshape(-1)
         if edge_rows is not None:
             rows = torch.cat([rows, edge_rows])
         index = rows[token_order].view(batch, n)
         counts = torch.zeros(batch, merged, 1).scatter_add_(1, index[:, :, None], torch.ones(batch, n, 1))
         fixed = (put(index), counts.to(device))
-    return _StackLayout(_layout(batch, h, w, ratio, device, idt), put(group_rows), put(edge_rows),
+    return StackTables(window_tables(batch, h, w, ratio, device, idt), put(group_rows), put(edge_rows),
                         put(token_order), torch.ones(batch, n, 1, device=device), fixed)
 
 
@@ -170,17 +170,17 @@ def plan_stack(metric: torch.Tensor, h: int, w: int, ratio: float, idt: torch.dt
     batch, tokens, _ = metric.shape
     if tokens != h * w:
         raise ValueError(f"plan_stack: {tokens} tokens do not fill a {h}×{w} grid")
-    layout = _stack_layout(batch, h, w, float(ratio), metric.device, idt)
-    if layout is None:
+    tables = stack_tables(batch, h, w, float(ratio), metric.device, idt)
+    if tables is None:
         return None
-    merged = layout.local["merged"]
-    if layout.fixed is not None:
-        return StackPlan(*layout.fixed, merged)
+    merged = tables.local.merged
+    if tables.fixed is not None:
+        return StackPlan(*tables.fixed, merged)
     with torch.no_grad():
-        key = chosen_candidates(metric, layout.local, idt)
-        rows = layout.group_rows.index_select(0, key).view(-1)
-        if layout.edge_rows is not None:
-            rows = torch.cat([rows, layout.edge_rows])
-        index = rows.index_select(0, layout.token_order).view(batch, tokens)
-        counts = layout.ones.new_zeros(batch, merged, 1).scatter_add_(1, index[:, :, None], layout.ones)
+        key = chosen_candidates(metric, tables.local, idt)
+        rows = tables.group_rows.index_select(0, key).view(-1)
+        if tables.edge_rows is not None:
+            rows = torch.cat([rows, tables.edge_rows])
+        index = rows.index_select(0, tables.token_order).view(batch, tokens)
+        counts = tables.ones.new_zeros(batch, merged, 1).scatter_add_(1, index[:, :, None], tables.ones)
     return StackPlan(index, counts, merged)

@@ -1,5 +1,5 @@
 """A test double of reForge and Forge Classic (the "old Forge" backend), limited to what differs from Forge
-for an always-on Script, from the facts in the harness READMEs (``shared/harness/reforge``, ``forge-classic``)
+for an always-on Script, from the facts in the real-host set-ups' READMEs (``tests/real_hosts/hosts/reforge``, ``forge-classic``)
 and reForge's ``ldm_patched`` code as read:
 
 - ``ldm_patched.ldm``: the U-Net (``...diffusionmodules.openaimodel.UNetModel``, ComfyUI's, with ldm's class

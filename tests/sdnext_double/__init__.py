@@ -1,6 +1,6 @@
 """A test double of SD.Next (vladmandic/sdnext at 058a7f0), limited to what an always-on Script meets.
 
-Written from what ``shared/harness/sdnext/README.md`` records of the real SD.Next and from its source, around
+Written from what ``tests/real_hosts/hosts/sdnext/README.md`` records of the real SD.Next and from its source, around
 real diffusers classes at a tiny size (``model``):
 - ``modules.scripts`` / ``scripts_manager``: Script, AlwaysVisible, scripts_data and SD.Next's ScriptRunner: every
   hook of every always-on script runs, with ``p.per_script_args[title]`` (the API request's args list, as sent)

@@ -1,0 +1,237 @@
+"""The Cache method (``tome_core.methods.cache``) against an independent oracle, and its state: kept per batch row
+and call slot, never across runs, sizes or restores.
+
+The oracle is the unpatched U-Net with plain forward hooks on its transformers: on a full step they record each
+transformer's output less its input, and on a reused step they replace each output by the call's own input plus
+the recorded change of the same call slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tome_core
+from diffusers_unets import diffusers_unet, run_diffusers
+from unets import hook_counts, inputs, run, tiny_unet
+
+STEPS = 6
+
+
+def _trajectory(batch: int = 2, seed: int = 0, steps: int = STEPS, h: int = 32):
+    """Inputs and timesteps of a short run, moving as a sampler's do."""
+    x, t, c = inputs(batch, h, h, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    xs = [x * (1 - 0.08 * i) + 0.1 * i * torch.randn(x.shape, generator=gen) for i in range(steps)]
+    return xs, [t - 120 * i for i in range(steps)], c
+
+
+def _full(i: int, warmup: int, interval: int, steps: int = STEPS) -> bool:
+    return i < warmup or (i - warmup) % interval == 0 or i == steps - 1
+
+
+class Oracle:
+    """Hooks on an unpatched U-Net's transformers that compute what Cache must: see the module docstring."""
+
+    def __init__(self, unet, levels=None) -> None:
+        self.kept: dict = {}
+        self.mode, self.slot = "full", 0
+        chosen = tome_core.patch.transformer_levels(unet)
+        lowest = {lv for _, _, lv in chosen} if levels is None else levels
+        self.handles = [t.register_forward_hook(self._hook(i), with_kwargs=True)
+                        for i, (_, t, lv) in enumerate(chosen) if lv in lowest]
+
+    def _hook(self, index):
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = output if isinstance(output, torch.Tensor) else output[0]
+            if self.mode == "full":
+                self.kept[(self.slot, index)] = y - x
+                return None
+            new = x + self.kept[(self.slot, index)]
+            return new if isinstance(output, torch.Tensor) else (new,) + tuple(output[1:])
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _patched_run(unet, xs, ts, c, *, calls_per_step=1, progress=True, **options):
+    tome_core.apply_patch(unet, method="cache", **options)
+    out = []
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        if progress:
+            tome_core.set_progress(unet, (i + 0.5) / len(xs))
+        parts = x.chunk(calls_per_step)
+        cs, tts = c.chunk(calls_per_step), t.chunk(calls_per_step)
+        out.append(torch.cat([run(unet, p, tt, cc) for p, tt, cc in zip(parts, tts, cs)]))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["sd1", "sdxl"])
+@pytest.mark.parametrize("warmup,interval", [(2, 3), (1, 2), (0, 4)])
+def test_each_step_is_the_oracles_full_or_reused_step(layout, warmup, interval):
+    unet = tiny_unet(layout)
+    xs, ts, c = _trajectory()
+    oracle = Oracle(unet)
+    want = []
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        oracle.mode = "full" if _full(i, warmup, interval) else "reuse"
+        want.append(run(unet, x, t, c))
+    oracle.remove()
+    got = _patched_run(unet, xs, ts, c, cache_warmup=warmup, cache_interval=interval)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.allclose(a, b, atol=1e-6), i
+    plain = [run(tiny_unet(layout), x, t, c) for x, t in zip(xs, ts)]
+    reused = [i for i in range(STEPS) if not _full(i, warmup, interval)]
+    assert all(not torch.equal(got[i], plain[i]) for i in reused)
+    assert all(torch.equal(got[i], plain[i]) for i in range(STEPS) if i not in reused)
+
+
+def test_auto_levels_are_every_attention_level_and_max_downsample_narrows_them():
+    unet = tiny_unet("sd1")
+    tome_core.apply_patch(unet, method="cache")
+    levels = {b.level for b in tome_core.patched_blocks(unet)}
+    assert levels == {lv for _, _, lv in tome_core.patch.transformer_levels(unet)} and len(levels) > 1
+    tome_core.apply_patch(unet, method="cache", max_downsample=1)
+    assert {b.level for b in tome_core.patched_blocks(unet)} == {0}
+
+
+def test_an_image_does_not_depend_on_its_batch_nor_on_cond_and_uncond_together_or_apart():
+    unet = tiny_unet("sdxl")
+    xs, ts, c = _trajectory(batch=4)
+    together = _patched_run(unet, xs, ts, c)
+    apart = _patched_run(unet, xs, ts, c, calls_per_step=2)  # rows 0-1 and 2-3 in two calls: two call slots
+    alone = _patched_run(unet, [x[2:3] for x in xs], [t[2:3] for t in ts], c[2:3])
+    for a, b, one in zip(together, apart, alone):
+        assert torch.allclose(a, b, atol=1e-5) and torch.allclose(a[2:3], one, atol=1e-5)
+
+
+def test_two_calls_a_step_each_reuse_their_own_slots_change():
+    """A second-order sampler's two evaluations of a step (the same progress) are slots 0 and 1: each reused
+    call takes the change of the call in its own slot, never the other's."""
+    unet = tiny_unet("sd1")
+    xs, ts, c = _trajectory(batch=2)
+    second = [x.flip(0) * 0.9 for x in xs]  # another input at each step, as Heun's corrector has
+    oracle = Oracle(unet)
+    want = []
+    for i in range(STEPS):
+        oracle.mode = "full" if _full(i, 2, 3) else "reuse"
+        for slot, x in enumerate((xs[i], second[i])):
+            oracle.slot = slot
+            want.append(run(unet, x, ts[i], c))
+    oracle.remove()
+    tome_core.apply_patch(unet, method="cache")
+    got = []
+    for i in range(STEPS):
+        tome_core.set_progress(unet, (i + 0.5) / STEPS)
+        got += [run(unet, xs[i], ts[i], c), run(unet, second[i], ts[i], c)]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+
+
+def test_without_progress_the_timestep_tells_the_steps():
+    unet = tiny_unet("sd1")
+    xs, ts, c = _trajectory(batch=2)
+    told = _patched_run(unet, xs, ts, c, cache_warmup=1, cache_interval=2)
+    # Without progress the last step is not known, so only the schedule's own full steps run full.
+    oracle = Oracle(unet)
+    want = []
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        oracle.mode = "full" if (i < 1 or (i - 1) % 2 == 0) else "reuse"
+        want.append(run(unet, x, t, c))
+    oracle.remove()
+    untold = _patched_run(unet, xs, ts, c, progress=False, cache_warmup=1, cache_interval=2)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(untold, want))
+    assert all(torch.equal(a, b) for a, b in zip(told[:-1], untold[:-1]))
+    apart = _patched_run(unet, xs, ts, c, progress=False, calls_per_step=2, cache_warmup=1, cache_interval=2)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(untold, apart))
+
+
+def test_a_new_run_a_rerun_and_a_new_size_start_afresh():
+    unet = tiny_unet("sd1")
+    xs, ts, c = _trajectory()
+    first = _patched_run(unet, xs, ts, c)
+    patch = tome_core.get_patch(unet)
+    # The same patch, a second run (progress back at the start): the same pixels, nothing of the first kept.
+    again = []
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        tome_core.set_progress(unet, (i + 0.5) / STEPS)
+        again.append(run(unet, x, t, c))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # A run at another size, halfway through a run: its first call runs full (nothing kept fits it).
+    tome_core.set_progress(unet, 0.5 / STEPS)
+    run(unet, xs[0], ts[0], c)
+    small = inputs(2, 16, 16)[0]
+    plain = tiny_unet("sd1")
+    for i in range(1, 4):
+        tome_core.set_progress(unet, (i + 0.5) / STEPS)
+        if i == 3:  # a reused step of the schedule, but the first at this size
+            assert torch.equal(run(unet, small, ts[i], c), run(plain, small, ts[i], c))
+        else:
+            run(unet, xs[i], ts[i], c)
+    assert patch.method_patch.kept_bytes() > 0
+
+
+def test_an_interrupted_run_leaves_nothing_for_the_next():
+    unet = tiny_unet("sd1")
+    xs, ts, c = _trajectory()
+    fresh = _patched_run(unet, xs, ts, c)
+    tome_core.apply_patch(unet, method="cache")
+    for i in range(4):
+        tome_core.set_progress(unet, (i + 0.5) / STEPS)
+        run(unet, xs[i] * 3, ts[i], c)  # another picture, stopped after its 4th step
+    again = []
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        tome_core.set_progress(unet, (i + 0.5) / STEPS)
+        again.append(run(unet, x, t, c))
+    assert all(torch.equal(a, b) for a, b in zip(fresh, again))
+
+
+def test_kept_memory_is_one_change_per_stack_and_slot_and_the_restore_is_exact():
+    unet = tiny_unet("sdxl")
+    xs, ts, c = _trajectory(batch=2)
+    hooks = hook_counts(unet)
+    base = [run(unet, x, t, c) for x, t in zip(xs, ts)]
+    sizes = []
+    handles = [t.register_forward_hook(lambda m, a, out: sizes.append(out.numel() * out.element_size()))
+               for _, t, _ in tome_core.patch.transformer_levels(unet)]
+    run(unet, xs[0], ts[0], c)
+    for handle in handles:
+        handle.remove()
+    _patched_run(unet, xs[:3], ts[:3], c, calls_per_step=2)
+    assert tome_core.get_patch(unet).method_patch.kept_bytes() == sum(sizes)  # two slots of half the batch
+    tome_core.remove_patch(unet)
+    assert hook_counts(unet) == hooks
+    assert not any("forward" in m.__dict__ for m in unet.modules())
+    assert all(torch.equal(run(unet, x, t, c), b) for x, t, b in zip(xs, ts, base))
+
+
+def test_a_diffusers_unet_reuses_through_its_tuple_outputs():
+    unet = diffusers_unet("sdxl")
+    x, t, c = inputs(2, 16, 16, tokens=7)
+    c = torch.randn(2, 7, unet.config.cross_attention_dim, generator=torch.Generator().manual_seed(2))
+    xs = [x * (1 - 0.1 * i) for i in range(STEPS)]
+    ts = [t - 100 * i for i in range(STEPS)]
+    oracle = Oracle(unet)
+    want = []
+    for i in range(STEPS):
+        oracle.mode = "full" if _full(i, 2, 3) else "reuse"
+        want.append(run_diffusers(unet, xs[i], ts[i], c))
+    oracle.remove()
+    tome_core.apply_patch(unet, method="cache")
+    got = []
+    for i in range(STEPS):
+        tome_core.set_progress(unet, (i + 0.5) / STEPS)
+        got.append(run_diffusers(unet, xs[i], ts[i], c))
+    tome_core.remove_patch(unet)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+    assert not all(torch.equal(a, run_diffusers(unet, xs[i], ts[i], c)) for i, a in enumerate(got))
+
+
+def test_bad_options_are_refused_naming_them():
+    unet = tiny_unet("sd1")
+    for bad, words in ((dict(cache_interval=0), "cache_interval"), (dict(cache_warmup=-1), "cache_warmup"),
+                       (dict(cache_interval=2.5), "cache_interval")):
+        with pytest.raises((TypeError, ValueError), match=words):
+            tome_core.apply_patch(unet, method="cache", **bad)
+        assert not tome_core.is_patched(unet)

@@ -1,0 +1,192 @@
+"""Step caching ("Cache" method): each selected transformer stack runs whole on the full steps, and on the steps
+between every token gets its own current input plus its own change through the stack at the last full step.
+
+Why: a token's features change little from one sampling step to the next, a redundancy merging leaves alone. On
+SDXL at 1024 px the transformer stacks of its two attention levels are about 80% of a step's multiply-adds; a
+stack skipped on two steps of three costs a few additions per token instead.
+
+- The change is kept at the transformer's boundary (its output less its input: norm, projections, every block and
+  the residual), per batch row and per call slot (the order of a U-Net call within its sampling evaluation:
+  cond and uncond apart, a second-order sampler's two evaluations of a step), so an image never depends on
+  the batch it was made in, and a reused call takes the change of the same kind of call.
+- Which steps run full: the first ``cache_warmup`` steps, then one in every ``cache_interval``; a step outside
+  the step window runs full too. Steps are told apart by the progress the host reports (``set_progress``);
+  where none is told, by the U-Net call's timestep (calls at one timestep are one evaluation), which costs a
+  read of the timestep per call (on a GPU, a wait for the device).
+- A new run (progress or timestep going back: a new pass, a new job), a new image size or batch layout, and a
+  restore each start afresh: nothing kept is ever applied to a call it was not made for.
+- ControlNet's residuals and anything else outside the stacks change every step as usual: what is kept is only
+  the stacks' own response, applied to their current input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..families import first_arg, slot_value
+from .base import Method, MethodPatch, every_level
+
+
+def _tensor_of(output: Any) -> torch.Tensor | None:
+    """The sample a transformer call returned: ldm's tensor, diffusers' ``(sample,)`` or ``.sample``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    sample = getattr(output, "sample", None)
+    return sample if isinstance(sample, torch.Tensor) else None
+
+
+def _form_of(output: Any) -> Any:
+    """How a transformer call returned its sample: None (the tensor), ``tuple`` or the output's class."""
+    if isinstance(output, torch.Tensor):
+        return None
+    return tuple if isinstance(output, tuple) else type(output)
+
+
+def _like(form: Any, sample: torch.Tensor) -> Any:
+    """``sample`` returned in ``form`` (see ``_form_of``)."""
+    if form is None:
+        return sample
+    return (sample,) if form is tuple else form(sample=sample)
+
+
+class _Kept:
+    """A stack's change at its last full call of one call slot, (B, C, h, w): its output less its input; and
+    the form its output took."""
+
+    __slots__ = ("change", "form")
+
+    def __init__(self, change: torch.Tensor, form: Any) -> None:
+        self.change, self.form = change, form
+
+
+class CachedTransformer:
+    """The forward set on a selected transformer's instance: the transformer's own (or the one another
+    extension set before ours, ``previous``), or its kept change added to its input."""
+
+    def __init__(self, module: nn.Module, owner: CachePatch, index: int) -> None:
+        self.module, self.owner, self.index = module, owner, index
+        self.previous = module.__dict__.get("forward")  # an instance forward set before ours, if any
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self.owner
+        x = first_arg(args, kwargs, owner.patch.family.tokens_keyword)
+        if not (isinstance(x, torch.Tensor) and x.dim() == 4) or owner.slot is None:
+            return self.run(*args, **kwargs)
+        key = (owner.slot, self.index)
+        kept = owner.kept.get(key)
+        if owner.reusing and kept is not None and kept.change.shape == x.shape and kept.change.dtype == x.dtype \
+                and kept.change.device == x.device:
+            return _like(kept.form, x + kept.change)
+        output = self.run(*args, **kwargs)
+        y = _tensor_of(output)
+        if y is not None and y.shape == x.shape:  # a full call: also one nothing kept fitted
+            owner.kept[key] = _Kept((y - x).detach(), _form_of(output))
+        else:  # an output of another shape: nothing stale stays
+            owner.kept.pop(key, None)
+        return output
+
+
+class _TimestepClock:
+    """Where no progress is told: a call's evaluation from its timestep (calls at one timestep are one
+    evaluation, in call order their slots; a higher timestep than the last starts a new run)."""
+
+    def __init__(self) -> None:
+        self.evaluation, self.slot, self.new_run = -1, None, False
+        self._last: float | None = None
+
+    def tick(self, timestep: Any) -> None:
+        self.new_run = False
+        if isinstance(timestep, torch.Tensor) and timestep.numel() > 0:
+            t = float(timestep.reshape(-1)[0])
+        elif isinstance(timestep, (int, float)) and not isinstance(timestep, bool):
+            t = float(timestep)
+        else:
+            self.slot = None
+            return
+        if self._last is None or t > self._last:
+            self.evaluation, self.slot, self.new_run = 0, 0, True
+        elif t == self._last and self.slot is not None:
+            self.slot += 1
+        else:
+            self.evaluation, self.slot = self.evaluation + 1, 0
+        self._last = t
+
+
+class CachePatch(MethodPatch):
+    def __init__(self, patch) -> None:
+        super().__init__(patch)
+        self.kept: dict[tuple[int, int], _Kept] = {}
+        self._own: list[tuple[nn.Module, CachedTransformer]] = []
+        self._timesteps = _TimestepClock()
+        self._first_progress: float | None = None
+        self.slot: int | None = None  # this call's slot in its evaluation; None: run as unpatched
+        self.reusing = False  # this call takes the kept changes (where they fit it)
+        # U-Net calls since the patch was made that ran the stacks whole, and that the schedule reused on.
+        self.full_calls = 0
+        self.reused_calls = 0
+
+    def install(self) -> None:
+        if not self.patch.has_call_hook:
+            return  # a lone transformer: no U-Net call to place among the steps
+        for index, (transformer, _) in enumerate(self.patch.transformers):
+            forward = CachedTransformer(transformer, self, index)
+            transformer.forward = forward
+            self._own.append((transformer, forward))
+
+    def begin_call(self, args: tuple, kwargs: dict) -> None:
+        patch, o = self.patch, self.patch.options
+        clock = patch.clock
+        if clock.slot is None:  # no progress told: the timestep places the call
+            clock = self._timesteps
+            clock.tick(slot_value(args, kwargs, *patch.family.timestep_slot))
+        if clock.slot is None:
+            self.slot, self.reusing = None, False
+            return
+        if clock.new_run:
+            self.kept.clear()
+            self._first_progress = patch.progress
+        step = clock.evaluation
+        full = (step < o.cache_warmup or (step - o.cache_warmup) % o.cache_interval == 0
+                or self._is_last_step(step))
+        self.slot = clock.slot
+        self.reusing = not full and o.in_window(patch.progress)
+        if self.reusing:
+            self.reused_calls += 1
+        else:
+            self.full_calls += 1
+
+    def _is_last_step(self, step: int) -> bool:
+        """Whether ``step`` is the run's last, known from the progress of its first (at the middle of its share,
+        ``settings.evaluation_progress``): the step to 0 noise, whose change through the stacks differs most from
+        the one before it."""
+        first = self._first_progress
+        if not first or first <= 0:
+            return False
+        return step >= round(0.5 / first) - 1
+
+    def kept_bytes(self) -> int:
+        """Memory the kept changes take now (per call slot, one tensor per selected stack)."""
+        return sum(k.change.numel() * k.change.element_size() for k in self.kept.values())
+
+    def uninstall(self) -> None:
+        self.kept.clear()
+        for module, ours in self._own:
+            if module.__dict__.get("forward") is ours:
+                if ours.previous is None:
+                    del module.forward
+                else:
+                    module.forward = ours.previous
+        self._own.clear()
+
+
+METHOD = Method("cache", "Cache", ("cache_interval", "cache_warmup"), CachePatch, auto_levels=every_level)
