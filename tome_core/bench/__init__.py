@@ -17,8 +17,9 @@ Modules, by concern (each imports only those listed before it):
                 refusal of a file it cannot use
     checkpoint  a real checkpoint read off its tensors: its U-Net, or the whole model as a pipeline
     diffusers_folder  a diffusers model folder as a pipeline
-    contenders  what is raced: none, ToMe, ToDo, Local, tomesd at each setting, and the ideals (attention on fewer
-                tokens, chosen free; or every query on fewer keys and values)
+    contenders  what is raced: none, ToMe, ToDo, Local, Stack, tomesd at each setting, and the ideals (attention
+                on fewer tokens, chosen free; every query on fewer keys and values; or whole stacks on fewer
+                tokens)
     timing      interleaved rounds, medians and spreads, the cores other processes take, the GPU's busy time
                 per call, a progress bar
     metrics     PSNR and SSIM of pictures in [0, 1]

@@ -11,12 +11,13 @@ import argparse
 import math
 import os
 
-from tome_core.options import MAX_RATIO, MAX_TODO_FACTOR
+from tome_core.options import MAX_CACHE_INTERVAL, MAX_RATIO, MAX_TODO_FACTOR
 
 from . import archs
 from .archs import top_grid
 from .diffusers_folder import INDEX, is_diffusers_folder
 from .jobs import CHEAP_ROUNDS, STRIDE
+from .sampling import SAMPLERS
 
 PROG = "python -m tome_core.bench"
 DESCRIPTION = "What token merging gains on this machine, and what it costs the picture."
@@ -68,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--todo-factors", nargs="+", type=int, default=None,
                     help="ToDo downsampling factors per side, 2 to 8; f keeps 1/f² of the keys and values "
                          "(default: 2 3 4 on a trained model, 2 with --models)")
-    ap.add_argument("--steps", type=int, default=20, help="Euler steps of the fidelity run (default 20)")
+    ap.add_argument("--steps", type=int, default=20, help="sampler steps of the fidelity run (default 20)")
+    ap.add_argument("--sampler", default="euler", choices=list(SAMPLERS),
+                    help="the fidelity run's sampler: euler, euler_a (ancestral: fresh noise at every step) or "
+                         "dpmpp_2m (default euler; the one-step figure is measured with euler only)")
+    ap.add_argument("--cache-intervals", nargs="+", type=int, default=None, metavar="N",
+                    help="also race Cache with a full step every N steps (its other settings at their "
+                         "defaults); its speed over a whole run: python -m tome_core.bench.runtime")
     ap.add_argument("--images", type=int, default=None,
                     help=f"images per model, each compared on its own: the tables give the median and the range "
                          f"(default: {PROXY_IMAGES} on each proxy; 1 on a checkpoint)")
@@ -155,6 +162,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--repeats {args.repeats}: at least 1 round is needed")
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: at least 1 step is needed")
+    for interval in args.cache_intervals or ():
+        if not 1 <= interval <= MAX_CACHE_INTERVAL:
+            raise UsageError(f"--cache-intervals {interval}: each must be 1 to {MAX_CACHE_INTERVAL}")
     if args.images is None:
         args.images = PROXY_IMAGES if args.checkpoint is None else 1
     if args.images < 1:

@@ -208,12 +208,13 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
            max_downsample: int | None = None, tomesd_max_downsample: int = 1, with_tomesd: bool = True,
            with_ideal: bool = True, tomesd_setup: Callable[[nn.Module], None] | None = None,
            with_local: bool = True, with_size_weighted: bool = False, with_stack: bool = True,
-           stack_max_downsample: int | None | object = SAME_LEVELS, with_merge_mlp: bool = False
-           ) -> list[Contender]:
+           stack_max_downsample: int | None | object = SAME_LEVELS, with_merge_mlp: bool = False,
+           cache_intervals: tuple[int, ...] = ()) -> list[Contender]:
     """Every method at every setting, raced together: none; ToMe at each ratio; ToDo at each factor; Local at
     each ratio; Stack at each ratio (with ``with_stack``); with ``with_merge_mlp``, "ToMe +mlp" (its MLP merged
     too) at each ratio; with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio
-    (``size_weighted_keys``: a key that stands for k tokens adds log k to its attention logit); tomesd at each ratio (when installed and
+    (``size_weighted_keys``: a key that stands for k tokens adds log k to its attention logit); Cache at each of
+    ``cache_intervals`` (its full step every N, at its own levels); tomesd at each ratio (when installed and
     wanted, with the same options); the ideal at each ratio, (with Local) the keys-and-values ideal at each
     ratio and (with Stack) the whole-stack ideal at each ratio.
 
@@ -263,6 +264,9 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
             out.append(labelled(f"Local {SIZE_WEIGHTED}", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
                 m, method="local", ratio=r, max_downsample=max_downsample, size_weighted_keys=True),
                 tome_core.remove_patch, kv_ideal_of(ratio)))
+    for interval in cache_intervals:  # at its own levels ("auto": every attention level), as users get it
+        out.append(labelled("Cache", f"N={interval}", lambda m, n=interval: tome_core.apply_patch(
+            m, method="cache", cache_interval=n), tome_core.remove_patch))
     if with_tomesd and tomesd_available():
         import tomesd
 

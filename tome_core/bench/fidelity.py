@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+import tome_core
+
 from .contenders import Contender, Wrapped
 from .metrics import psnr_each, ssim_each
 from .pipeline import Pipeline
 from .report import Fidelity
-from .sampling import euler_sample
+from .sampling import euler_sample, sample
 from .spread import Figure
 from .stepwise import Trajectory, reference_trajectory
 
@@ -60,9 +62,12 @@ def noise_for(pipe: Pipeline, size: int, images: int, seed: int) -> torch.Tensor
 
 
 def sample_pictures(pipe: Pipeline, racers: list[Contender], size: int, steps: int, seed: int = 0,
-                    images: int = 1, device: torch.device | None = None, on_done=None) -> Pictures:
-    """Sample ``images`` pictures of ``size`` px with ``steps`` Euler steps for no merging and each contender
-    (the ideal excepted), all from the same noise; ``on_done(name)`` after each."""
+                    images: int = 1, device: torch.device | None = None, on_done=None,
+                    sampler: str = "euler") -> Pictures:
+    """Sample ``images`` pictures of ``size`` px with ``steps`` steps of ``sampler`` (``sampling.SAMPLERS``) for
+    no merging and each contender (the ideal excepted), all from the same noise (and Euler a's same fresh
+    noise); ``on_done(name)`` after each. Each step's progress is told to the patch before its U-Net call, as
+    the webui tells it. The unmerged run's trajectory (for the one-step figure) is kept with Euler only."""
     device = device or next(pipe.unet.parameters()).device
     noise = noise_for(pipe, size, images, seed).to(device)
     wrapped = Wrapped(pipe.unet)  # the nesting tomesd needs; ours finds the U-Net in it
@@ -74,10 +79,11 @@ def sample_pictures(pipe: Pipeline, racers: list[Contender], size: int, steps: i
         torch.manual_seed(seed)  # tomesd's partition generator is forked off the global RNG
         racer.apply(wrapped)
         try:
-            if racer.method == "none":
+            if racer.method == "none" and sampler == "euler":
                 trajectory, x = reference_trajectory(pipe, noise, steps)
             else:
-                x = euler_sample(pipe, noise, steps)
+                x = sample(pipe, noise, steps, sampler, seed, before_step=lambda i, n: tome_core.set_progress(
+                    wrapped, (i + 0.5) / n))
             raw[racer.name] = (pipe.decode(x) if pipe.decode is not None else x).detach().float().cpu()
         finally:
             racer.remove(wrapped)

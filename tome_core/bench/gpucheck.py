@@ -27,7 +27,7 @@ import torch
 
 import tome_core
 
-from . import archs
+from . import archs, runtime
 from .archs import top_grid
 from .arguments import OneLineParser, UsageError
 from .contenders import Wrapped, roster
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + busy.line(f"more rounds and a longer budget (--repeats {2 * args.repeats} --budget "
                                f"{2 * args.budget:g}), or a GPU no other process is using"))
 
+    whole_run(args, device, dtype)
+
     unet, ctx_dim = archs.build_unet("sd15", device, dtype, args.width)
     gen = torch.Generator().manual_seed(0)
     lat = int(1024 * args.scale) // 8
@@ -261,6 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         proxy_fidelity(args, device, dtype)
     print(f"\n_total {time.time() - t0:.0f} s_")
     return 0
+
+
+def whole_run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+    """Cache over whole 20- and 30-step runs on SDXL at 1024 px (batch 2): its full and reused calls counted and
+    timed (``runtime``), beside ToDo and Stack."""
+    size = int(1024 * args.scale) // 8 * 8
+    try:
+        per_call = runtime.measure("sdxl", size, BATCH, 5, args.width, device=device, dtype=dtype)
+    except Exception as error:  # one table line, not the end of the check
+        print(f"\nCache over a whole run: not measured ({type(error).__name__}: {error})")
+        return
+    print("\n" + runtime.table("sdxl", size, BATCH, per_call, [20, 30]))
 
 
 def proxy_fidelity(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:

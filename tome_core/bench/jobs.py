@@ -157,7 +157,8 @@ def _all_racers(args: argparse.Namespace, tomesd_max_downsample: int, tomesd_set
                   with_tomesd=not args.no_tomesd, with_ideal=not args.no_ideal, tomesd_setup=tomesd_setup,
                   with_size_weighted=getattr(args, "size_weighted", False),
                   with_merge_mlp=getattr(args, "merge_mlp", False),
-                  stack_max_downsample=getattr(args, "stack_max_downsample", None) or SAME_LEVELS)
+                  stack_max_downsample=getattr(args, "stack_max_downsample", None) or SAME_LEVELS,
+                  cache_intervals=getattr(args, "cache_intervals", None) or ())
 
 
 def bench_unet(args: argparse.Namespace, setup: Setup, budget_s: float | None = None) -> list[Case]:
@@ -245,7 +246,12 @@ def measure_fidelity(args: argparse.Namespace, setup: Setup, pipe: Pipeline, siz
         racers = racers_for(args, args.max_downsample or 2 ** level)
     setup.progress.set_postfix_str(f"{pipe.label}: sampling {size} px, {args.steps} steps")
     pictures = sample_pictures(pipe, racers, size, args.steps, args.seed, args.images, setup.device,
-                               on_done=lambda name: setup.progress.update())
+                               on_done=lambda name: setup.progress.update(),
+                               sampler=getattr(args, "sampler", "euler"))
+    if pictures.trajectory is None:  # another sampler than Euler: the final pictures alone
+        for _ in racers:
+            setup.progress.update()
+        return pictures.fidelity(), pictures
     setup.progress.set_postfix_str(f"{pipe.label}: each step's prediction, {size} px")
     steps = step_errors(pipe, racers, pictures.trajectory, args.seed, setup.device,
                         on_done=lambda name: setup.progress.update())

@@ -19,8 +19,14 @@ from .pipeline import Pipeline
 from .probes import merge_overhead, peak_memory
 from .replicate import TITLES, across, orderings, orderings_lines, per_model_table
 from .report import Case, Load, case_timings, find_busy, ms_cell, table
+from .sampling import SAMPLER_LABELS
 from .sheet import write_case_sheet
 from .timing import CpuWatch, progress_bar
+
+def sampler_label(args: argparse.Namespace) -> str:
+    """The fidelity run's sampler as the webui names it ("Euler", "Euler a", "DPM++ 2M")."""
+    return SAMPLER_LABELS[getattr(args, "sampler", "euler")]
+
 
 RANDOM_NOTE = ("Random weights: no fidelity figure (a random U-Net's pictures carry no image's redundancy and "
                "rank nothing); run without --models (the shipped proxy) or with --checkpoint for PSNR and SSIM.")
@@ -84,7 +90,8 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
         per_size.append(per_model)
     setup.progress.close()
     on_tensors = pictures[0].on_tensors if pictures[0] is not None else None
-    print("\n" + table(cases, f"{pipe.label}: speed and fidelity, one U-Net call and {args.steps} Euler steps",
+    title = f"{pipe.label}: speed and fidelity, one U-Net call and {args.steps} {sampler_label(args)} steps"
+    print("\n" + table(cases, title,
                        fidelity_note(on_tensors, args, len(pipes))))
     if len(pipes) > 1 and args.fidelity:
         for case, per_model in zip(cases, per_size):
@@ -95,8 +102,8 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
             path = sized_path(args.sheet, case.size, len(cases))
             what = "sampled tensors (no decoder)" if pics.on_tensors else "images"
             model = f"{pipe.label} {labels[0]}" if len(pipes) > 1 else pipe.label
-            write_case_sheet(path, case, pics, f"{model}, {case.size} px, {args.steps} Euler steps, seed "
-                             f"{args.seed}: {what} (the first); caption: setting, speed-up; PSNR, SSIM; step dB "
+            write_case_sheet(path, case, pics, f"{model}, {case.size} px, {args.steps} {sampler_label(args)} steps, "
+                             f"seed {args.seed}: {what} (the first); caption: setting, speed-up; PSNR, SSIM; step dB "
                              f"(medians over its {args.images} image{'s' if args.images > 1 else ''})",
                              fidelity=per_model[0])
             print(f"side-by-side images written to {os.path.abspath(path)}")
@@ -104,7 +111,8 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
         over = f"median of {len(pipes)} proxies, bars: their range" if len(pipes) > 1 else \
             f"median of {args.images} images, bars: their range"
         title = (f"{pipe.label}: speed-up of one U-Net call (batch {args.batch}, {dtype_name(dtype)}) against "
-                 f"fidelity after {args.steps} Euler steps from seed {args.seed} ({over})\n{hardware(device)}")
+                 f"fidelity after {args.steps} {sampler_label(args)} steps from seed {args.seed} ({over})\n"
+                 f"{hardware(device)}")
         if on_tensors is None:
             write_speed_chart(cases, args.plot, title, busy)
         else:
@@ -237,7 +245,8 @@ def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace, mo
     over = (f"the median over {images} (their range)" if models == 1 else
             f"on each of {models} proxies the median over its {images}; here the median of the proxies' "
             f"medians (their range)")
-    return (f"PSNR, SSIM: {what} after {args.steps} Euler steps from the same noise (seed {args.seed}), "
+    return (f"PSNR, SSIM: {what} after {args.steps} {sampler_label(args)} steps from the same noise "
+            f"(seed {args.seed}), "
             f"against no merging's, each image on its own; step dB: each step's prediction along the unmerged "
             f"run's own trajectory (the same input for both), −10·log10 of the noise estimate's squared error "
             f"relative to its power, averaged over the steps; {over}. ∞ and 1.000 = identical.")

@@ -7,6 +7,7 @@ what the method costs. Timesteps are whole numbers spread evenly from the last t
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -63,4 +64,53 @@ def euler_sample(pipe: Pipeline, noise: torch.Tensor, steps: int,
         if after_step is not None:
             after_step(i, x, denoised)
         x = x + (x - denoised) / sigma * (sigma_next - sigma)
+    return x.to(dtype)
+
+
+SAMPLERS = ("euler", "euler_a", "dpmpp_2m")
+"""The samplers a fidelity run can use, as the webui names them: "Euler", "Euler a" (fresh noise at every step,
+as every ancestral sampler adds) and "DPM++ 2M" (second order from the last two estimates)."""
+SAMPLER_LABELS = {"euler": "Euler", "euler_a": "Euler a", "dpmpp_2m": "DPM++ 2M"}
+
+
+@torch.no_grad()
+def sample(pipe: Pipeline, noise: torch.Tensor, steps: int, sampler: str = "euler", seed: int = 0,
+           before_step: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """Sample from ``noise`` (B, channels, h, w), unit variance, with ``steps`` steps of ``sampler`` (one of
+    ``SAMPLERS``, the formulas k-diffusion's samplers of those names use, on the schedule of ``euler_sample``).
+    Euler a's fresh noise comes from a CPU generator seeded with ``seed``, one draw per step, so every method
+    gets the same noise. ``before_step(i, steps)`` runs before each U-Net call. Returns the final sample in
+    the U-Net's dtype."""
+    if sampler == "euler":
+        return euler_sample(pipe, noise, steps, before_step=before_step)
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    ts, sigmas = timesteps_and_sigmas(pipe.alphas_cumprod, steps)
+    dtype = next(pipe.unet.parameters()).dtype
+    x = noise.double() * sigmas[0].item()
+    gen = torch.Generator().manual_seed(seed)
+    old_denoised = None
+    for i in range(steps):
+        sigma, sigma_next = sigmas[i].item(), sigmas[i + 1].item()
+        if before_step is not None:
+            before_step(i, steps)
+        denoised = denoise(pipe, x, sigma, int(ts[i]))
+        if sampler == "euler_a":
+            up = min(sigma_next, (sigma_next ** 2 * (sigma ** 2 - sigma_next ** 2) / sigma ** 2) ** 0.5)
+            down = (sigma_next ** 2 - up ** 2) ** 0.5
+            x = x + (x - denoised) / sigma * (down - sigma)
+            if sigma_next > 0:
+                x = x + torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) * up
+        else:  # DPM++ 2M: in t = −log σ, a first-order step, then the last two estimates' second-order one
+            if sigma_next == 0:
+                x = denoised
+            else:
+                h = math.log(sigma / sigma_next)
+                if old_denoised is None:
+                    target = denoised
+                else:
+                    r = math.log(sigmas[i - 1].item() / sigma) / h
+                    target = (1 + 1 / (2 * r)) * denoised - (1 / (2 * r)) * old_denoised
+                x = (sigma_next / sigma) * x - math.expm1(-h) * target
+            old_denoised = denoised
     return x.to(dtype)

@@ -1,0 +1,26 @@
+"""The whole-run speed room (``tome_core.bench.runtime``): Cache's calls counted by kind from a real run, and each
+kind timed and counted on a small U-Net."""
+
+from __future__ import annotations
+
+import pytest
+
+from tome_core.bench import runtime
+
+
+@pytest.mark.parametrize("steps, warmup, interval", [(20, 2, 3), (30, 2, 3), (20, 0, 4), (7, 3, 2)])
+def test_calls_are_counted_by_kind_as_the_schedule_says(steps, warmup, interval):
+    full = [i for i in range(steps) if i < warmup or (i - warmup) % interval == 0 or i == steps - 1]
+    got = runtime.call_counts(steps, {"method": "cache", "cache_warmup": warmup, "cache_interval": interval})
+    assert got == (len(full), steps - len(full))
+
+
+def test_each_kind_of_call_is_timed_and_a_reused_call_does_less_work():
+    per_call = runtime.measure("sd15", 128, 1, 1, width=0.1)
+    assert set(per_call) == {"none", "Cache full", "Cache reused", *runtime.OTHERS}
+    assert all(seconds > 0 and macs > 0 for seconds, macs in per_call.values())
+    assert per_call["Cache reused"][1] < 0.9 * per_call["Cache full"][1]
+    assert per_call["Cache full"][1] == per_call["none"][1]  # a full call computes what no patch does
+    lines = runtime.table("sd15", 128, 1, per_call, [20]).splitlines()
+    cache = next(line for line in lines if "| Cache |" in line)
+    assert "| 9 + 11 |" in cache

@@ -1,0 +1,157 @@
+"""A whole sampling run's speed, for methods whose calls differ within a run (Cache: full and reused calls).
+
+One U-Net call's time says what a method gains when every call is alike. Cache's calls are not: the first steps,
+one in every few and the last run the stacks whole, the others skip them. Here every call of a run of ``steps``
+steps is counted by kind (the patch's own counters over a real run of a small U-Net with the same options: the
+schedule does not depend on the model's size), each kind is timed on the webui's real architecture and width
+(random weights: speed only), and the run's time is their sum; multiply-adds likewise. ToDo and Stack, whose
+calls are all alike, are beside it at their own call's time times the steps.
+
+    python -m tome_core.bench.runtime --models sdxl --sizes 1024 --steps 20 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+import tome_core
+
+from . import archs
+from .contenders import Wrapped
+from .jobs import inputs
+from .macs import MultiplyAddCounter
+from .timing import time_call
+
+OTHERS = {"ToDo f=2 levels 4": dict(method="todo", max_downsample=4),
+          "Stack 0.50": dict(method="stack", ratio=0.5)}
+
+
+def call_counts(steps: int, options: dict) -> tuple[int, int]:
+    """(full, reused) U-Net calls of a ``steps``-step run with one call a step, progress told as the webui tells
+    it, counted by the patch of a small SD 1.x-layout U-Net patched with ``options``."""
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    torch.manual_seed(0)
+    unet = UNetModel(image_size=8, in_channels=4, out_channels=4, model_channels=32, num_res_blocks=1,
+                     attention_resolutions=[1], channel_mult=[1], num_heads=1, use_spatial_transformer=True,
+                     transformer_depth=1, context_dim=8, legacy=False).eval()
+    tome_core.apply_patch(unet, **options)
+    x, context = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8)
+    with torch.no_grad():
+        for i in range(steps):
+            tome_core.set_progress(unet, (i + 0.5) / steps)
+            unet(x, torch.full((1,), 999.0 - 999.0 * i / steps), context=context)
+    kept = tome_core.get_patch(unet).method_patch
+    tome_core.remove_patch(unet)
+    return kept.full_calls, kept.reused_calls
+
+
+def _timed(call, rounds: int, device: torch.device) -> float:
+    with torch.no_grad():
+        return statistics.median(time_call(call, device) for _ in range(rounds)) / 1000  # seconds
+
+
+def _macs(call) -> int:
+    counter = MultiplyAddCounter()
+    with counter, torch.no_grad():
+        call()
+    return counter.total
+
+
+def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, cache: dict | None = None,
+            device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32
+            ) -> dict[str, tuple[float, int]]:
+    """Seconds (median of ``rounds``) and multiply-adds of one call of each kind: "none", Cache's "full" and
+    "reused" calls (``cache``: its options beyond the method), and each of ``OTHERS``."""
+    cache = {"method": "cache", **(cache or {})}
+    unet, ctx_dim = archs.build_unet(arch, device, dtype, width)
+    wrapped = Wrapped(unet)
+    x, context = inputs(batch, 4, size // 8, ctx_dim, archs.unet_depth(unet), device, dtype)
+    t = torch.full((batch,), 500.0, device=device)
+
+    def call():
+        return unet(x, t, context=context)
+
+    out: dict[str, tuple[float, int]] = {}
+    with torch.no_grad():
+        call()  # warm-up: the first call at a size pays for allocations
+    out["none"] = (_timed(call, rounds, device), _macs(call))
+    # The kinds of call do not depend on the schedule: timed with every other step full (0, 2, 4 ...), each
+    # reused step (1, 3 ...) right after a full one, as in a run.
+    tome_core.apply_patch(wrapped, **{**cache, "cache_warmup": 0, "cache_interval": 2})
+    timed: dict[str, list[float]] = {"Cache full": [], "Cache reused": []}
+    macs: dict[str, int] = {}
+    for i in range(2 * rounds + 2):
+        tome_core.set_progress(wrapped, (i + 0.5) / 100)
+        kind = "Cache full" if i % 2 == 0 else "Cache reused"
+        with torch.no_grad():
+            seconds = time_call(call, device) / 1000
+        if i >= 2:  # the first pair warms up
+            timed[kind].append(seconds)
+    for i, kind in enumerate(("Cache full", "Cache reused")):
+        tome_core.set_progress(wrapped, (i + 0.5) / 100 + 0.5)
+        macs[kind] = _macs(call)
+    for kind, samples in timed.items():
+        out[kind] = (statistics.median(samples), macs[kind])
+    tome_core.remove_patch(wrapped)
+    for name, options in OTHERS.items():
+        tome_core.apply_patch(wrapped, **options)
+        with torch.no_grad():
+            call()
+        out[name] = (_timed(call, rounds, device), _macs(call))
+        tome_core.remove_patch(wrapped)
+    return out
+
+
+def table(arch: str, size: int, batch: int, per_call: dict[str, tuple[float, int]], steps: list[int],
+          cache: dict | None = None) -> str:
+    """Markdown: for each run length, each method's run time, its speed-up over no merging, its multiply-adds
+    against none's, and (Cache) its calls by kind."""
+    cache = {"method": "cache", **(cache or {})}
+    none_s, none_macs = per_call["none"]
+    lines = [f"{arch}, {size} px, batch {batch}: a whole run, every U-Net call counted", "",
+             "| steps | method | calls (full + reused) | run s | speed-up | MACs vs none |",
+             "|--:|---|---|--:|--:|--:|"]
+    for n in steps:
+        lines.append(f"| {n} | none | {n} | {n * none_s:.1f} | 1.00x | 1.00 |")
+        full, reused = call_counts(n, cache)
+        run_s = full * per_call["Cache full"][0] + reused * per_call["Cache reused"][0]
+        run_macs = full * per_call["Cache full"][1] + reused * per_call["Cache reused"][1]
+        lines.append(f"| {n} | Cache | {full} + {reused} | {run_s:.1f} | {n * none_s / run_s:.2f}x | "
+                     f"{run_macs / (n * none_macs):.2f} |")
+        for name in OTHERS:
+            s, macs = per_call[name]
+            lines.append(f"| {n} | {name} | {n} | {n * s:.1f} | {none_s / s:.2f}x | {macs / none_macs:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tome_core.bench.runtime", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["sdxl"], choices=sorted(archs.ARCHS))
+    ap.add_argument("--sizes", nargs="+", type=int, default=[1024])
+    ap.add_argument("--steps", nargs="+", type=int, default=[20, 30])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--width", type=float, default=1.0, help="channel width scale (1: the real model)")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    archs.require_ldm()
+    print(f"# {' '.join(['python -m tome_core.bench.runtime'] + (argv if argv is not None else sys.argv[1:]))}")
+    print(f"# CPU, {torch.get_num_threads()} threads, float32, SDP attention, random weights (speed only), "
+          f"{args.rounds} rounds (median); Cache at its defaults")
+    for arch in args.models:
+        for size in args.sizes:
+            per_call = measure(arch, size, args.batch, args.rounds, args.width)
+            print()
+            print(table(arch, size, args.batch, per_call, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
