@@ -27,6 +27,9 @@ import urllib.request
 import zlib
 
 FAILER = "unet failer"  # always-on test script: args [true] make the U-Net raise at its 2nd call of the job
+# Cache at a schedule that reuses within the checks' 4 steps (steps 0, 1 and the last run whole, step 2 reuses).
+CACHE = {"enabled": True, "method": "Cache", "cache_warmup": 1, "cache_interval": 2}
+CACHE_KEYS = {"ToMe ratio": "0.5", "ToMe method": "Cache", "ToMe cache interval": "2", "ToMe cache warmup": "1"}
 HIRES = dict(enable_hr=True, hr_scale=2.0, hr_upscaler="Latent Bilinear", hr_resize_mode=1, hr_second_pass_steps=2,
              hr_denoising_strength=0.5)
 failures: list[str] = []
@@ -107,8 +110,9 @@ def describe(r: dict) -> str:
 
 
 def check_basics(s: Server) -> tuple[dict, dict]:
-    """Plain, ToMe 0.5 (the same twice, the same positional, plain again after it), ToDo, Local, Stack, the step window
-    and a bad ratio (one console line, plain pixels); returns the plain and the ToMe 0.5 results."""
+    """Plain, ToMe 0.5 (the same twice, the same positional, plain again after it), ToDo, Local, Stack, Cache (the
+    same twice), the step window and a bad ratio (one console line, plain pixels); returns the plain and the
+    ToMe 0.5 results."""
     plain = s.generate()
     check("plain", plain["status"] == 200 and plain["keys"] == {}, describe(plain))
     tome = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
@@ -127,6 +131,11 @@ def check_basics(s: Server) -> tuple[dict, dict]:
         r = s.generate(tome=[{"enabled": True, "ratio": 0.5, "method": method}])
         check(f"{method}", r["md5"] not in (None, plain["md5"], tome["md5"]) and r["lines"] == []
               and r["keys"] == {"ToMe ratio": "0.5", "ToMe method": method}, describe(r))
+    cache = s.generate(tome=[CACHE])
+    check("Cache (a full step every 2 after 1): its own pixels and keys", cache["md5"] not in
+          (None, plain["md5"], tome["md5"]) and cache["lines"] == [] and cache["keys"] == CACHE_KEYS, describe(cache))
+    cache_again = s.generate(tome=[CACHE])
+    check("Cache again: the same pixels", cache_again["md5"] == cache["md5"], describe(cache_again))
     window = s.generate(tome=[{"enabled": True, "ratio": 0.5, "step_start": 0.5}])
     check("step window [0.5, 1]", window["md5"] not in (None, plain["md5"], tome["md5"]), describe(window))
     bad = s.generate(tome=[{"enabled": True, "ratio": 2}])
@@ -167,6 +176,14 @@ def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:
     tome_after_failure = s.generate(tome=[{"enabled": True, "ratio": 0.5}])
     check("ToMe after the failure: the same ToMe pixels", tome_after_failure["md5"] == tome["md5"],
           describe(tome_after_failure))
+    cache = s.generate(tome=[CACHE])
+    start = s.log_size()
+    s.generate(tome=[CACHE], alwayson_scripts={FAILER: {"args": [True]}}, seed=4321)
+    time.sleep(2)
+    check("failing Cache job", "simulated failure" in s.log_since(start), "the U-Net raised at its 2nd call")
+    fresh = s.generate(tome=[CACHE])
+    check("Cache after a failing Cache job: the pixels it had before", fresh["md5"] == cache["md5"]
+          and fresh["keys"] == CACHE_KEYS, describe(fresh))
 
     init = "data:image/png;base64," + base64.b64encode(plain["png"]).decode()
     i2i_plain = s.generate("img2img", init_images=[init], denoising_strength=0.6)
