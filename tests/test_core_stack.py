@@ -163,13 +163,26 @@ def test_every_block_of_a_merged_stack_sees_fewer_tokens_and_the_rest_of_the_une
     assert out.shape == x.shape
     for key, (batch, n, ch) in plain.items():
         assert shapes[key] == (batch, n // 2, ch), key  # 2 merges in each 2×2 window of even grids
-    # Levels auto: SDXL's first attention level only.
+    # Levels auto on SDXL: both attention levels too (its first holds 17% of the work, the second 63%) ...
+    shapes.clear()
     tome_core.apply_patch(unet, method="stack", ratio=0.5)
+    run(unet, x, t, c)
+    tome_core.remove_patch(unet)
+    for key, (batch, n, ch) in plain.items():
+        assert shapes[key] == (batch, n // 2, ch), key
+    # ... and levels 2 its first attention level only.
+    tome_core.apply_patch(unet, method="stack", ratio=0.5, max_downsample=2)
     run(unet, x, t, c)
     tome_core.remove_patch(unet)
     top = max(n for _, n, _ in plain.values())
     for key, (batch, n, ch) in plain.items():
         assert shapes[key][1] == (n // 2 if n == top else n), key
+
+
+def test_stack_auto_levels_on_sd1_stay_at_the_full_resolution_level():
+    unet = tiny_unet("sd1")
+    tome_core.apply_patch(unet, method="stack", ratio=0.5)
+    assert {b.level for b in tome_core.patched_blocks(unet)} == {0}
 
 
 def test_ratio_zero_and_outside_the_step_window_are_bitwise_noops_and_remove_restores_exactly():

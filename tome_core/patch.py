@@ -26,7 +26,7 @@ from torch import nn
 
 from .families import BiasedAttention, first_arg, family_of, nothing_to_patch, resolve_unet
 from .methods import Method, method_named
-from .methods.base import BlockRecord
+from .methods.base import BlockRecord, CallClock
 from .options import MergeOptions, check_number
 
 PATCH_ATTR = "_tokenmerge_patch"
@@ -48,36 +48,6 @@ class PatchedBlock:
     level: int
     block: nn.Module
     self_attention: nn.Module | None
-
-
-class CallClock:
-    """Places each U-Net call among the sampling evaluations, from the progress the host reports.
-
-    Calls with the same progress belong to one evaluation (cond and uncond apart, or a second-order step's two
-    evaluations) and are numbered by their order in it (``slot``); a lower progress starts a new run
-    (``new_run``: a new pass or job). The host's progress rather than the timestep: reading a device timestep
-    would make the host wait for the device. Without progress, ``slot`` is None.
-    """
-
-    def __init__(self) -> None:
-        self.evaluation = -1
-        self.slot: int | None = None
-        self.new_run = False
-        self._last_progress: float | None = None
-
-    def tick(self, progress: float | None) -> None:
-        """A new U-Net call at sampling ``progress``."""
-        self.new_run = False
-        if progress is None:
-            self.slot = None
-            return
-        if self._last_progress is None or progress < self._last_progress:
-            self.evaluation, self.slot, self.new_run = 0, 0, True
-        elif progress == self._last_progress and self.slot is not None:
-            self.slot += 1
-        else:
-            self.evaluation, self.slot = self.evaluation + 1, 0
-        self._last_progress = progress
 
 
 def _is_block(module: nn.Module) -> bool:

@@ -63,10 +63,10 @@ def _macs(call) -> int:
 
 
 def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, cache: dict | None = None,
-            device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32
+            device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32, others: bool = True
             ) -> dict[str, tuple[float, int]]:
     """Seconds (median of ``rounds``) and multiply-adds of one call of each kind: "none", Cache's "full" and
-    "reused" calls (``cache``: its options beyond the method), and each of ``OTHERS``."""
+    "reused" calls (``cache``: its options beyond the method), and (with ``others``) each of ``OTHERS``."""
     cache = {"method": "cache", **(cache or {})}
     unet, ctx_dim = archs.build_unet(arch, device, dtype, width)
     wrapped = Wrapped(unet)
@@ -98,7 +98,7 @@ def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, c
     for kind, samples in timed.items():
         out[kind] = (statistics.median(samples), macs[kind])
     tome_core.remove_patch(wrapped)
-    for name, options in OTHERS.items():
+    for name, options in OTHERS.items() if others else ():
         tome_core.apply_patch(wrapped, **options)
         with torch.no_grad():
             call()
@@ -123,7 +123,7 @@ def table(arch: str, size: int, batch: int, per_call: dict[str, tuple[float, int
         run_macs = full * per_call["Cache full"][1] + reused * per_call["Cache reused"][1]
         lines.append(f"| {n} | Cache | {full} + {reused} | {run_s:.1f} | {n * none_s / run_s:.2f}x | "
                      f"{run_macs / (n * none_macs):.2f} |")
-        for name in OTHERS:
+        for name in [n for n in OTHERS if n in per_call]:
             s, macs = per_call[name]
             lines.append(f"| {n} | {name} | {n} | {n * s:.1f} | {none_s / s:.2f}x | {macs / none_macs:.2f} |")
     return "\n".join(lines)
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--width", type=float, default=1.0, help="channel width scale (1: the real model)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--others", action=argparse.BooleanOptionalAction, default=True,
+                    help=f"also time {' and '.join(OTHERS)} (default: on)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rounds} rounds (median); Cache at its defaults")
     for arch in args.models:
         for size in args.sizes:
-            per_call = measure(arch, size, args.batch, args.rounds, args.width)
+            per_call = measure(arch, size, args.batch, args.rounds, args.width, others=args.others)
             print()
             print(table(arch, size, args.batch, per_call, args.steps))
     return 0

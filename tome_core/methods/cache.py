@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..families import first_arg, slot_value
-from .base import Method, MethodPatch, every_level
+from .base import CallClock, Method, MethodPatch, every_level
 
 
 def _tensor_of(output: Any) -> torch.Tensor | None:
@@ -96,30 +96,13 @@ class CachedTransformer:
         return output
 
 
-class _TimestepClock:
-    """Where no progress is told: a call's evaluation from its timestep (calls at one timestep are one
-    evaluation, in call order their slots; a higher timestep than the last starts a new run)."""
-
-    def __init__(self) -> None:
-        self.evaluation, self.slot, self.new_run = -1, None, False
-        self._last: float | None = None
-
-    def tick(self, timestep: Any) -> None:
-        self.new_run = False
-        if isinstance(timestep, torch.Tensor) and timestep.numel() > 0:
-            t = float(timestep.reshape(-1)[0])
-        elif isinstance(timestep, (int, float)) and not isinstance(timestep, bool):
-            t = float(timestep)
-        else:
-            self.slot = None
-            return
-        if self._last is None or t > self._last:
-            self.evaluation, self.slot, self.new_run = 0, 0, True
-        elif t == self._last and self.slot is not None:
-            self.slot += 1
-        else:
-            self.evaluation, self.slot = self.evaluation + 1, 0
-        self._last = t
+def _timestep_of(timestep: Any) -> float | None:
+    """A U-Net call's timestep as a number (the first row's), or None where it is not one."""
+    if isinstance(timestep, torch.Tensor) and timestep.numel() > 0:
+        return float(timestep.reshape(-1)[0])
+    if isinstance(timestep, (int, float)) and not isinstance(timestep, bool):
+        return float(timestep)
+    return None
 
 
 class CachePatch(MethodPatch):
@@ -127,7 +110,8 @@ class CachePatch(MethodPatch):
         super().__init__(patch)
         self.kept: dict[tuple[int, int], _Kept] = {}
         self._own: list[tuple[nn.Module, CachedTransformer]] = []
-        self._timesteps = _TimestepClock()
+        # Where no progress is told: calls at one timestep are one evaluation, a higher one starts a run.
+        self._timesteps = CallClock()
         self._first_progress: float | None = None
         self.slot: int | None = None  # this call's slot in its evaluation; None: run as unpatched
         self.reusing = False  # this call takes the kept changes (where they fit it)
@@ -148,7 +132,8 @@ class CachePatch(MethodPatch):
         clock = patch.clock
         if clock.slot is None:  # no progress told: the timestep places the call
             clock = self._timesteps
-            clock.tick(slot_value(args, kwargs, *patch.family.timestep_slot))
+            t = _timestep_of(slot_value(args, kwargs, *patch.family.timestep_slot))
+            clock.tick(None if t is None else -t)
         if clock.slot is None:
             self.slot, self.reusing = None, False
             return

@@ -1,0 +1,79 @@
+"""Final-picture fidelity with each sampler users run, on every shipped proxy of a layout: the median PSNR (and
+range over the images) against the unmerged pictures, one line per proxy and sampler.
+
+    python -m tome_core.bench.samplers --layout sdxl --samplers euler euler_a dpmpp_2m
+
+The same noise for every contender, the same fresh noise for Euler a (its own seed), progress told to the patch
+at every step as the webui tells it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import tome_core
+
+from .contenders import Wrapped
+from .fidelity import noise_for
+from .loading import load_proxies
+from .metrics import psnr_each
+from .sampling import SAMPLER_LABELS, SAMPLERS, sample
+
+CONTENDERS = {
+    "todo": ("ToDo f=2 levels 4", dict(method="todo", max_downsample=4)),
+    "stack": ("Stack 0.50 levels 4", dict(method="stack", ratio=0.5, max_downsample=4)),
+    **{f"cache{n}": (f"Cache N={n}", dict(method="cache", cache_interval=n)) for n in range(2, 6)},
+}
+
+
+def final_pictures(pipe, noise: torch.Tensor, steps: int, sampler: str, noise_seed: int,
+                   options: dict | None) -> torch.Tensor:
+    """The decoded pictures of one run, patched with ``options`` (None: unmerged)."""
+    wrapped = Wrapped(pipe.unet)
+    if options is not None:
+        tome_core.apply_patch(wrapped, **options)
+    try:
+        x = sample(pipe, noise, steps, sampler, noise_seed,
+                   before_step=lambda i, n: tome_core.set_progress(wrapped, (i + 0.5) / n))
+    finally:
+        tome_core.remove_patch(wrapped)
+    return pipe.decode(x).float().cpu()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tome_core.bench.samplers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", choices=["sd15", "sdxl"], default="sdxl")
+    ap.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS))
+    ap.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS), default=["todo", "cache3", "cache4"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--images", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
+    ap.add_argument("--noise-seed", type=int, default=7, help="Euler a's fresh noise's seed (default 7)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pipes = [(label, pipe) for label, pipe in load_proxies(torch.device("cpu"), torch.float32) or []
+             if ("SDXL" in pipe.name) == (args.layout == "sdxl")]
+    print(f"# {' '.join(['python -m tome_core.bench.samplers'] + (argv if argv is not None else sys.argv[1:]))}")
+    print(f"# final PSNR dB against the unmerged pictures, median [range] over {args.images} images, "
+          f"{args.steps} steps; each proxy at its evaluation size")
+    names = [CONTENDERS[c][0] for c in args.contenders]
+    print("\n| proxy | sampler | " + " | ".join(names) + " |\n|---|---|" + "--:|" * len(names))
+    for label, pipe in pipes:
+        noise = noise_for(pipe, pipe.size, args.images, args.seed)
+        for sampler in args.samplers:
+            reference = final_pictures(pipe, noise, args.steps, sampler, args.noise_seed, None)
+            cells = []
+            for key in args.contenders:
+                got = sorted(psnr_each(final_pictures(pipe, noise, args.steps, sampler, args.noise_seed,
+                                                      CONTENDERS[key][1]), reference))
+                cells.append(f"{got[len(got) // 2]:.1f} [{got[0]:.1f}–{got[-1]:.1f}]")
+            print(f"| {label} | {SAMPLER_LABELS[sampler]} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
