@@ -47,5 +47,8 @@ Modules, by concern (each imports only those listed before it):
     runs        the two kinds of run (trained models: speed and fidelity; architectures: speed only) and the
                 lines that close them (load, busy-machine warning)
     cli         ``main()``: ``python -m tome_core.bench``
+    runtime     a whole sampling run's speed for a method whose calls differ (Cache: full and reused calls
+                counted and each kind timed; ``python -m tome_core.bench.runtime``)
+    samplers    final-picture fidelity per proxy and sampler (``python -m tome_core.bench.samplers``)
     gpucheck    the one-call GPU check (``python -m tome_core.gpucheck``)
 """
