@@ -88,15 +88,6 @@ def test_each_step_is_the_oracles_full_or_reused_step(layout, warmup, interval):
     assert all(torch.equal(got[i], plain[i]) for i in range(STEPS) if i not in reused)
 
 
-def test_auto_levels_are_every_attention_level_and_max_downsample_narrows_them():
-    unet = tiny_unet("sd1")
-    tome_core.apply_patch(unet, method="cache")
-    levels = {b.level for b in tome_core.patched_blocks(unet)}
-    assert levels == {lv for _, _, lv in tome_core.patch.transformer_levels(unet)} and len(levels) > 1
-    tome_core.apply_patch(unet, method="cache", max_downsample=1)
-    assert {b.level for b in tome_core.patched_blocks(unet)} == {0}
-
-
 def test_an_image_does_not_depend_on_its_batch_nor_on_cond_and_uncond_together_or_apart():
     unet = tiny_unet("sdxl")
     xs, ts, c = _trajectory(batch=4)

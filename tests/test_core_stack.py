@@ -179,12 +179,6 @@ def test_every_block_of_a_merged_stack_sees_fewer_tokens_and_the_rest_of_the_une
         assert shapes[key][1] == (n // 2 if n == top else n), key
 
 
-def test_stack_auto_levels_on_sd1_stay_at_the_full_resolution_level():
-    unet = tiny_unet("sd1")
-    tome_core.apply_patch(unet, method="stack", ratio=0.5)
-    assert {b.level for b in tome_core.patched_blocks(unet)} == {0}
-
-
 def test_ratio_zero_and_outside_the_step_window_are_bitwise_noops_and_remove_restores_exactly():
     unet = tiny_unet("sdxl")
     x, t, c = inputs(batch=2)

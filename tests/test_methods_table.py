@@ -136,6 +136,24 @@ def test_the_options_a_method_reads_are_parameters_of_the_table(method):
     assert method.weighs_keys == ("size_weighted_keys" in method.reads)
 
 
+# "auto" levels per method and layout: where each gains (SD 1.x: attention at levels 0-3; SDXL: at 1 and 2).
+AUTO_LEVELS = {"tome": ({0}, {1}), "todo": ({0}, {1}), "local": ({0}, {1}), "stack": ({0}, {1, 2}),
+               "cache": ({0, 1, 2, 3}, {1, 2})}
+
+
+@ALL
+def test_each_methods_auto_levels_are_where_it_gains_and_max_downsample_still_chooses(method):
+    assert set(AUTO_LEVELS) == set(methods.METHOD_NAMES)
+    for layout, want in zip(("sd1", "sdxl"), AUTO_LEVELS[method.name]):
+        unet = tiny_unet(layout)
+        assert {lv for _, _, lv in tome_core.patch.transformer_levels(unet)} == ({0, 1, 2, 3} if layout == "sd1"
+                                                                                else {1, 2})
+        tome_core.apply_patch(unet, method=method.name)
+        assert {b.level for b in tome_core.patched_blocks(unet)} == want, layout
+        tome_core.apply_patch(unet, method=method.name, max_downsample=2)
+        assert {b.level for b in tome_core.patched_blocks(unet)} == ({0, 1} if layout == "sd1" else {1}), layout
+
+
 def test_the_patch_names_no_method():
     """The patch's life cycle calls the method's behaviour without knowing which it is."""
     source = inspect.getsource(tome_core.patch)
