@@ -180,7 +180,7 @@ def plan_merge(metric: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, r: in
 def plan_split(metric: torch.Tensor, rows: SplitRows, r: int,
                chunk_elements: int = 1 << 22) -> MergePlan | None:
     """``plan_merge`` on a partition already laid out for this batch (``split_rows``): what a patched block
-    calls, its layout made with every other block's at the U-Net call's first block."""
+    calls, its rows made with every other block's at the U-Net call's first block."""
     batch, tokens, channels = metric.shape
     ns, nd = rows.sources, rows.destinations
     r = min(int(r), ns)
