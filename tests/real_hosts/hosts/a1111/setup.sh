@@ -9,15 +9,11 @@
 # Packages: PyPI only.
 # Usage: [HOSTS=DIR] [MIRROR=DIR] a1111/setup.sh    (the harness goes to $HOSTS/a1111)
 set -euo pipefail
-SCRIPTS=$(cd "$(dirname "$0")" && pwd)
-. "$SCRIPTS/env.sh"
-PY=${PYTHON311:-python3.11}
-TORCH_WHL=${TORCH_WHL:-torch==2.13.0}
-mkdir -p "$A1111_HARNESS"
-T_START=$(date +%s)
+. "$(dirname "$0")/env.sh"      # and ../common.sh: get_tree, setup_phase, setup_venv ...
 
 # 1. webui = upstream master 82a973c (v1.10.1 + changelog), then the repositories launch_utils.py would clone, at the
 #    commits it pins (large pictures and notebooks left out)
+setup_phase sources
 get_tree "$A1111_REPO" "$A1111_COMMIT" "$WEBUI"
 get_tree AUTOMATIC1111+stable-diffusion-webui-assets 6f7db241d2f8ba7457bac5ca9753331f0c266917 "$WEBUI/repositories/stable-diffusion-webui-assets"
 get_tree Stability-AI+stablediffusion cf1d67a6fd5ea1aa600c4df58e5b47da45f6bdbf "$WEBUI/repositories/stable-diffusion-stability-ai" assets
@@ -25,29 +21,16 @@ get_tree Stability-AI+generative-models 45c443b316737a4ab6e40413d7794a7f5657c19f
 get_tree crowsonkb+k-diffusion ab527a9a6d347f364e3d185ba6d714e22d80cb3c "$WEBUI/repositories/k-diffusion"
 get_tree salesforce+BLIP 48211a1594f1321b00f14c9f7a5b4813144b2fb9 "$WEBUI/repositories/BLIP" BLIP.gif
 get_tree openai+CLIP d50d76daa670286dd6cacf3bcd80b5e4823fc8e1 "$A1111_HARNESS/src/CLIP" CLIP.png notebooks
-T_SRC=$(( $(date +%s) - T_START ))
+setup_extract_only
 
-# 2. venv + CPU torch + requirements (setuptools pin relaxed, torch/torchvision pinned via constraints)
-T_VENV=$(date +%s)
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pipq() {  # pip, minus the noisy "Location ... is ignored" lines; keeps pip's exit status
-  local out rc=0; out=$("$VENV/bin/pip" "$@" 2>&1) || rc=$?
-  out=$(grep -v "is ignored: it is neither" <<< "$out" || true); [ -z "$out" ] || echo "$out"; return $rc
-}
-pipq install -q "$TORCH_WHL"
-pipq install -q -r "$SCRIPTS/requirements-a1111-cpu.txt" torchvision==0.28.0 -c "$SCRIPTS/constraints-a1111.txt"
-pipq install -q --no-deps --no-build-isolation "$A1111_HARNESS/src/CLIP"     # `clip`, as launch_utils would install
-"$VENV/bin/python" "$SCRIPTS/../patch_torchvision_cpu.py"                   # CUDA-only torchvision _C vs CPU torch
-"$VENV/bin/python" -c "import torch, torchvision, clip, open_clip, transformers, gradio; print('torch', torch.__version__, 'tv', torchvision.__version__, 'gradio', gradio.__version__)"
-T_VENV=$(( $(date +%s) - T_VENV ))
+# 2. venv + CPU torch + requirements (setuptools pin relaxed, torch/torchvision pinned via constraints), `clip`
+setup_webui_venv torch torchvision clip open_clip transformers gradio
 
 # 3. tiny random SD1 model + offline CLIP tokenizer/config
-T_MODEL=$(date +%s)
+setup_phase model
 if [ ! -f "$A1111_MODELS/Stable-diffusion/tiny-sd1.safetensors" ]; then
-  "$VENV/bin/python" "$SCRIPTS/make_tiny_model.py" --webui "$WEBUI" --out "$A1111_MODELS" --hf-home "$HF_HOME"
+  "$VENV/bin/python" "$HOST_SCRIPTS/make_tiny_model.py" --webui "$WEBUI" --out "$A1111_MODELS" --hf-home "$HF_HOME"
 else
   echo "have $A1111_MODELS/Stable-diffusion/tiny-sd1.safetensors"
 fi
-T_MODEL=$(( $(date +%s) - T_MODEL ))
-mkdir -p "$A1111_RUN"
-echo "setup done in $(( $(date +%s) - T_START ))s (sources ${T_SRC}s, venv+pip ${T_VENV}s, model ${T_MODEL}s). start: $SCRIPTS/start.sh ; stop: $SCRIPTS/stop.sh"
+setup_done

@@ -1,26 +1,13 @@
-# shared settings for the Forge Classic CPU harness (sourced by setup.sh, start.sh, stop.sh ...)
+# Settings of the Forge Classic CPU harness (sourced by setup.sh, start.sh, stop.sh ...).
 # Forge Classic = Haoming02/sd-webui-forge-classic, branch `classic`: an archive of the "old" Forge (A1111 1.x webui
-# on gradio 3 + the ldm_patched backend, ComfyUI-derived), with small changes. Not under a dot-folder such as
-# ~/.cache: the webui refuses to serve files below one (the UI then loads without its JavaScript).
-. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"     # HOSTS (default ~/tome-hosts), get_tree ...
-export FCLASSIC_HARNESS=${FCLASSIC_HARNESS:-$HOSTS/forge-classic}
-export FCLASSIC=$FCLASSIC_HARNESS/forge-classic     # the Forge Classic source tree (launch.py lives here)
-export FCLASSIC_VENV=$FCLASSIC_HARNESS/venv-forge-classic
-export FCLASSIC_MODELS=$FCLASSIC_HARNESS/models     # --ckpt-dir is $FCLASSIC_MODELS/Stable-diffusion
-export FCLASSIC_PORT=${FCLASSIC_PORT:-7864}         # A1111 harness 7861, Forge 7862, reForge 7863
-export FCLASSIC_HOST=127.0.0.1
-export FCLASSIC_URL=http://$FCLASSIC_HOST:$FCLASSIC_PORT
-export FCLASSIC_RUN=$FCLASSIC_HARNESS/run           # pid + log live here
-# fully offline
-export HF_HOME=$FCLASSIC_HARNESS/hf-home
-export HF_HUB_OFFLINE=1
-export TRANSFORMERS_OFFLINE=1
-export HF_DATASETS_OFFLINE=1
-export DIFFUSERS_OFFLINE=1
-export DISABLE_TELEMETRY=1
-export DO_NOT_TRACK=1
-export GRADIO_ANALYTICS_ENABLED=False
-export PYTHONUNBUFFERED=1
+# on gradio 3 + the ldm_patched backend, ComfyUI-derived), with small changes. host_env (../common.sh) sets what every
+# host shares: FCLASSIC_HARNESS (default $HOSTS/forge-classic), FCLASSIC_MODELS (--ckpt-dir is
+# $FCLASSIC_MODELS/Stable-diffusion), FCLASSIC_PORT (default 7864; A1111 7861, Forge 7862, reForge 7863), FCLASSIC_URL,
+# FCLASSIC_RUN (pid + log), the offline variables and the torch CPU threads (FCLASSIC_THREADS, default 1; 2 is faster
+# when nothing else runs, but the pixels can differ between thread counts).
+. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"     # HOSTS (default ~/tome-hosts), get_tree, host_env ...
+host_env FCLASSIC forge-classic 7864 forge-classic venv-forge-classic "Forge Classic"
+export FCLASSIC=$HOST_TREE FCLASSIC_VENV=$HOST_VENV  # the Forge Classic source tree (launch.py lives here), its venv
 # launch.py flags. --skip-prepare-environment: no git clone / pip install at start (setup.sh laid everything out).
 # --always-cpu: ldm_patched's model_management otherwise asks torch.cuda for the device.
 # --clip-in-fp32: on the CPU ldm_patched would store (and run) the text encoder in fp16 unless told.
@@ -33,7 +20,3 @@ export FCLASSIC_ARGS_DEFAULT="--skip-prepare-environment --skip-install --skip-p
  --no-hashing --no-download-sd-model \
  --api --nowebui --server-name 127.0.0.1 --port $FCLASSIC_PORT \
  --ckpt-dir $FCLASSIC_MODELS/Stable-diffusion"
-# torch CPU threads. 1 by default (a good neighbour on this 2-core box); FCLASSIC_THREADS=2 is faster when nothing
-# else runs, but the pixels can differ between thread counts: compare images only at the same FCLASSIC_THREADS.
-export OMP_NUM_THREADS=${FCLASSIC_THREADS:-1}
-export MKL_NUM_THREADS=${FCLASSIC_THREADS:-1}

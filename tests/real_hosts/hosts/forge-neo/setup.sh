@@ -17,15 +17,10 @@
 #   FORCE_MODEL=1: rebuild the random checkpoint
 #   EXTRACT_ONLY=1: lay out the source tree and stop (no pip, no model)
 set -euo pipefail
-SCRIPTS=$(cd "$(dirname "$0")" && pwd)
-. "$SCRIPTS/env.sh"
-PY=${PYTHON311:-python3.11}
-TORCH_WHL=${TORCH_WHL:-torch==2.13.0}
-mkdir -p "$NEO_HARNESS"
-T_START=$(date +%s)
+. "$(dirname "$0")/env.sh"      # and ../common.sh: get_tree, setup_phase, setup_venv ...
 
 # 1. Forge Neo's tree: nolanlane's copy of it at 3df257a, without its two deployment files
-T_EXTRACT=$(date +%s)
+setup_phase extraction
 NEO_REPO=${NEO_REPO:-nolanlane+sd-webui-forge-classic}
 if [ "$NEO_REPO" = nolanlane+sd-webui-forge-classic ]; then
   get_tree "$NEO_REPO" "${NEO_COMMIT:-3df257ae13e38826f5bdaece9008915b8b19e4bd}" "$NEO" startup.sh pod_start_command.txt
@@ -35,49 +30,24 @@ fi
 grep -q '"neo"' "$NEO/modules_forge/forge_version.py" || { echo "ERROR: $NEO is not a Forge Neo tree (modules_forge/forge_version.py)"; exit 1; }
 # The SD1 "Approx NN" live-preview model (only read when opts.show_progress_type == "Approx NN"; else never), from
 # A1111 v1.10.1, so that setting cannot trigger a download.
-get_file "$A1111_REPO" "$A1111_COMMIT" models/VAE-approx/model.pt "$NEO/models/VAE-approx/model.pt"
-T_EXTRACT=$(( $(date +%s) - T_EXTRACT ))
-if [ "${EXTRACT_ONLY:-0}" = 1 ]; then echo "sources laid out in ${T_EXTRACT}s (EXTRACT_ONLY=1: no venv, no model)"; exit 0; fi
+get_vae_approx
+setup_extract_only
 
 # 2. venv (Python 3.11: the local CPU torch wheel is cp311; Neo is "tested with 3.13", its code targets py311) + CPU
 #    torch + Neo's requirements.txt (setuptools pin changed) + what prepare_environment adds (gradio 4.40.0,
 #    gradio_rangeslider 0.0.8, packaging), torchvision 0.28.0 patched
-T_VENV=$(date +%s)
-[ -x "$NEO_VENV/bin/python" ] || "$PY" -m venv "$NEO_VENV"
-pipq() {  # pip, minus the noisy "Location ... is ignored" lines; keeps pip's exit status
-  local out rc=0; out=$("$NEO_VENV/bin/pip" "$@" 2>&1) || rc=$?
-  out=$(grep -v "is ignored: it is neither" <<< "$out" || true); [ -z "$out" ] || echo "$out"; return $rc
-}
-pipq install -q "$TORCH_WHL"
+setup_phase venv+pip
+setup_venv
 # in prepare_environment's order: packaging and gradio (with their own dependencies) first, then requirements.txt, whose
 # pins win where they differ (Pillow 12.1.0 over gradio 4.40.0's pillow<11: pip check reports that one, as in Neo)
 # (only while gradio is absent, as there: a re-run would otherwise take Pillow down to 10.4 and back up)
 if ! "$NEO_VENV/bin/python" -c "import importlib.metadata as m; assert m.version('gradio') == '4.40.0'" 2>/dev/null; then
-  pipq install -q packaging==26.0 gradio==4.40.0 gradio_rangeslider==0.0.8 torchvision==0.28.0 -c "$SCRIPTS/constraints-forge-neo.txt"
+  pipq install -q packaging==26.0 gradio==4.40.0 gradio_rangeslider==0.0.8 torchvision==0.28.0 -c "$HOST_SCRIPTS/constraints-forge-neo.txt"
 fi
-pipq install -q -r "$SCRIPTS/requirements-forge-neo-cpu.txt" -c "$SCRIPTS/constraints-forge-neo.txt"
-"$NEO_VENV/bin/python" "$SCRIPTS/../patch_torchvision_cpu.py"   # CUDA-only torchvision _C vs CPU torch (every harness's)
-"$NEO_VENV/bin/python" -c "import torch, torchvision, transformers, diffusers, gradio, pydantic, fastapi, numpy; print('torch', torch.__version__, 'tv', torchvision.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__, 'gradio', gradio.__version__, 'pydantic', pydantic.VERSION, 'fastapi', fastapi.__version__, 'numpy', numpy.__version__)"
-pipq check || echo "WARN: pip check reports conflicts (see above)"
-T_VENV=$(( $(date +%s) - T_VENV ))
+pipq install -q -r "$HOST_SCRIPTS/requirements-forge-neo-cpu.txt" -c "$HOST_SCRIPTS/constraints-forge-neo.txt"
+setup_check_venv torch torchvision transformers diffusers gradio pydantic fastapi numpy
 
-# 3. random-weight SD1.5 checkpoint (full size, fp16 safetensors, original LDM key names): the Forge harness's
-#    make_model.py run against Neo's backend (make_model.py here). The Forge harness's file is hard-linked if present.
-T_MODEL=$(date +%s)
-CKPT=$NEO_MODELS/Stable-diffusion/random-sd15.safetensors
-mkdir -p "$(dirname "$CKPT")"
-if [ -z "${REUSE_CKPT+x}" ]; then
-  c=$HOSTS/forge/models/Stable-diffusion/random-sd15.safetensors
-  if [ -f "$c" ]; then REUSE_CKPT=$c; fi
-fi
-if [ -f "$CKPT" ] && [ "${FORCE_MODEL:-0}" != 1 ]; then
-  echo "have $CKPT"
-elif [ -n "${REUSE_CKPT:-}" ] && [ -f "$REUSE_CKPT" ] && [ "${FORCE_MODEL:-0}" != 1 ]; then
-  ln -f "$REUSE_CKPT" "$CKPT" 2>/dev/null || cp "$REUSE_CKPT" "$CKPT"
-  echo "reused $REUSE_CKPT -> $CKPT (hard link or copy)"
-else
-  "$NEO_VENV/bin/python" "$SCRIPTS/make_model.py" --neo "$NEO" --out "$CKPT"
-fi
-T_MODEL=$(( $(date +%s) - T_MODEL ))
-mkdir -p "$NEO_RUN" "$HF_HOME"
-echo "setup done in $(( $(date +%s) - T_START ))s (extraction ${T_EXTRACT}s, venv+pip ${T_VENV}s, model ${T_MODEL}s). start: $SCRIPTS/start.sh ; stop: $SCRIPTS/stop.sh"
+# 3. random-weight SD1.5 checkpoint (full size, fp16 safetensors, original LDM key names): ../make_forge_model.py run
+#    against Neo's backend (--neo). The Forge harness's file is hard-linked if present.
+setup_forge_checkpoint neo "$HOSTS/forge/models/Stable-diffusion/random-sd15.safetensors"
+setup_done

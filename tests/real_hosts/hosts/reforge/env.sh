@@ -1,26 +1,12 @@
-# shared settings for the reForge CPU harness (sourced by setup.sh, start.sh, stop.sh ...)
+# Settings of the reForge CPU harness (sourced by setup.sh, start.sh, stop.sh ...).
 # reForge = Panchovix/stable-diffusion-webui-reForge, branch main: A1111 1.10 webui + the old Forge backend
-# (ldm_patched, ComfyUI-derived). Not under a dot-folder such as ~/.cache: the webui refuses to serve files below
-# one (the UI then loads without its JavaScript).
-. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"     # HOSTS (default ~/tome-hosts), get_tree ...
-export REFORGE_HARNESS=${REFORGE_HARNESS:-$HOSTS/reforge}
-export REFORGE=$REFORGE_HARNESS/reforge             # the reForge source tree (launch.py lives here)
-export REFORGE_VENV=$REFORGE_HARNESS/venv-reforge
-export REFORGE_MODELS=$REFORGE_HARNESS/models       # --ckpt-dir is $REFORGE_MODELS/Stable-diffusion
-export REFORGE_PORT=${REFORGE_PORT:-7863}           # A1111 harness 7861, Forge harness 7862
-export REFORGE_HOST=127.0.0.1
-export REFORGE_URL=http://$REFORGE_HOST:$REFORGE_PORT
-export REFORGE_RUN=$REFORGE_HARNESS/run             # pid + log live here
-# fully offline
-export HF_HOME=$REFORGE_HARNESS/hf-home
-export HF_HUB_OFFLINE=1
-export TRANSFORMERS_OFFLINE=1
-export HF_DATASETS_OFFLINE=1
-export DIFFUSERS_OFFLINE=1
-export DISABLE_TELEMETRY=1
-export DO_NOT_TRACK=1
-export GRADIO_ANALYTICS_ENABLED=False
-export PYTHONUNBUFFERED=1
+# (ldm_patched, ComfyUI-derived). host_env (../common.sh) sets what every host shares: REFORGE_HARNESS (default
+# $HOSTS/reforge), REFORGE_MODELS (--ckpt-dir is $REFORGE_MODELS/Stable-diffusion), REFORGE_PORT (default 7863; A1111
+# 7861, Forge 7862), REFORGE_URL, REFORGE_RUN (pid + log), the offline variables and the torch CPU threads
+# (REFORGE_THREADS, default 1; 2 is faster when nothing else runs, but the pixels can differ between thread counts).
+. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"     # HOSTS (default ~/tome-hosts), get_tree, host_env ...
+host_env REFORGE reforge 7863 reforge venv-reforge reForge
+export REFORGE=$HOST_TREE REFORGE_VENV=$HOST_VENV    # the reForge source tree (launch.py lives here), its venv
 # launch.py flags. --skip-prepare-environment: no git clone / pip install at start (setup.sh laid everything out).
 # --always-cpu: ldm_patched's model_management otherwise asks torch.cuda for the device.
 # --clip-in-fp32: on the CPU ldm_patched would store (and run) the text encoder in fp16 unless told.
@@ -34,7 +20,3 @@ export REFORGE_ARGS_DEFAULT="--skip-prepare-environment --skip-install --skip-py
  --no-hashing --no-download-sd-model --do-not-download-clip \
  --api --nowebui --server-name 127.0.0.1 --port $REFORGE_PORT \
  --ckpt-dir $REFORGE_MODELS/Stable-diffusion"
-# torch CPU threads. 1 by default (a good neighbour on this 2-core box); REFORGE_THREADS=2 is faster when nothing
-# else runs, but the pixels can differ between thread counts: compare images only at the same REFORGE_THREADS.
-export OMP_NUM_THREADS=${REFORGE_THREADS:-1}
-export MKL_NUM_THREADS=${REFORGE_THREADS:-1}

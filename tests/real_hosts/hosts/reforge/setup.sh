@@ -12,12 +12,7 @@
 #   FORCE_MODEL=1: rebuild the random checkpoint
 #   EXTRACT_ONLY=1: lay out the source trees and stop (no pip, no model)
 set -euo pipefail
-SCRIPTS=$(cd "$(dirname "$0")" && pwd)
-. "$SCRIPTS/env.sh"
-PY=${PYTHON311:-python3.11}
-TORCH_WHL=${TORCH_WHL:-torch==2.13.0}
-mkdir -p "$REFORGE_HARNESS"
-T_START=$(date +%s)
+. "$(dirname "$0")/env.sh"      # and ../common.sh: get_tree, launch_pin, setup_phase, setup_venv ...
 
 # Blobs a partial mirror may lack that SD 1.5 never reads: the Llama tokenizer of ldm_patched's newer text encoders
 # (HiDream, Lumina 2 ...). Any other absent source-type file stops the setup (get_tree in ../common.sh).
@@ -25,62 +20,30 @@ export ABSENT_OK_RE=${ABSENT_OK_RE:-'^ldm_patched/modules/text_encoders/llama_to
 
 # 1. reForge, then the repositories modules/launch_utils.py would clone, at the commits it pins (read from the
 #    extracted launch_utils.py, falling back to the values current at reForge 3b56b26)
-T_EXTRACT=$(date +%s)
+setup_phase extraction
 get_tree Panchovix+stable-diffusion-webui-reForge "${REFORGE_COMMIT:-3b56b268ad9158ee8b30900973b6ccda4ec22241}" "$REFORGE"
-pin() {  # VAR default : commit hash pinned in launch_utils.py
-  local v
-  v=$(grep -oE "'$1', \"[0-9a-f]{40}\"" "$REFORGE/modules/launch_utils.py" | grep -oE '[0-9a-f]{40}' || true)
-  echo "${v:-$2}"
-}
-ASSETS_C=$(pin ASSETS_COMMIT_HASH 6f7db241d2f8ba7457bac5ca9753331f0c266917)
-SGM_C=$(pin STABLE_DIFFUSION_XL_COMMIT_HASH 45c443b316737a4ab6e40413d7794a7f5657c19f)
-KDIFF_C=$(pin K_DIFFUSION_COMMIT_HASH ab527a9a6d347f364e3d185ba6d714e22d80cb3c)
-BLIP_C=$(pin BLIP_COMMIT_HASH 48211a1594f1321b00f14c9f7a5b4813144b2fb9)
-CLIP_C=$(grep -oE "openai/CLIP/archive/[0-9a-f]{40}" "$REFORGE/modules/launch_utils.py" | grep -oE '[0-9a-f]{40}' || echo d50d76daa670286dd6cacf3bcd80b5e4823fc8e1)
 # reForge clones `ldm` from joypaul162/Stability-AI-stablediffusion @ f16630a (a copy of Stability-AI/stablediffusion,
 # whose GitHub repository went away). Stability-AI/stablediffusion @ cf1d67a (the commit A1111 1.10 pins; a clone
 # takes it from the A1111 maintainers' copy, see ../common.sh) stands in: reForge uses only ldm's LatentDiffusion
 # shell and its config classes (the U-Net, VAE and CLIP it runs are ldm_patched's). SD_COMMIT=f16630a... with
 # URL_Stability_AI_stablediffusion=https://github.com/joypaul162/Stability-AI-stablediffusion.git takes reForge's own.
-SD_C=${SD_COMMIT:-cf1d67a6fd5ea1aa600c4df58e5b47da45f6bdbf}
-get_tree AUTOMATIC1111+stable-diffusion-webui-assets "$ASSETS_C" "$REFORGE/repositories/stable-diffusion-webui-assets"
-get_tree Stability-AI+stablediffusion "$SD_C" "$REFORGE/repositories/stable-diffusion-stability-ai"
-get_tree Stability-AI+generative-models "$SGM_C" "$REFORGE/repositories/generative-models"
-get_tree crowsonkb+k-diffusion "$KDIFF_C" "$REFORGE/repositories/k-diffusion"
-get_tree salesforce+BLIP "$BLIP_C" "$REFORGE/repositories/BLIP"
-get_tree openai+CLIP "$CLIP_C" "$REFORGE_HARNESS/src/CLIP"
+get_tree AUTOMATIC1111+stable-diffusion-webui-assets "$(launch_pin ASSETS_COMMIT_HASH 6f7db241d2f8ba7457bac5ca9753331f0c266917)" "$REFORGE/repositories/stable-diffusion-webui-assets"
+get_tree Stability-AI+stablediffusion "${SD_COMMIT:-cf1d67a6fd5ea1aa600c4df58e5b47da45f6bdbf}" "$REFORGE/repositories/stable-diffusion-stability-ai"
+get_tree Stability-AI+generative-models "$(launch_pin STABLE_DIFFUSION_XL_COMMIT_HASH 45c443b316737a4ab6e40413d7794a7f5657c19f)" "$REFORGE/repositories/generative-models"
+get_tree crowsonkb+k-diffusion "$(launch_pin K_DIFFUSION_COMMIT_HASH ab527a9a6d347f364e3d185ba6d714e22d80cb3c)" "$REFORGE/repositories/k-diffusion"
+get_tree salesforce+BLIP "$(launch_pin BLIP_COMMIT_HASH 48211a1594f1321b00f14c9f7a5b4813144b2fb9)" "$REFORGE/repositories/BLIP"
+get_tree openai+CLIP "$(launch_clip_pin d50d76daa670286dd6cacf3bcd80b5e4823fc8e1)" "$REFORGE_HARNESS/src/CLIP"
 # The SD1 "Approx NN" live-preview model: A1111 ships it in its repository (models/VAE-approx/model.pt), reForge does
 # not and downloads it from A1111's v1.0.0-pre release at the first generation (processing.py loads it whenever live
 # previews are on, the default) -> an offline reForge answers every txt2img with a 500. Taken from A1111 v1.10.1.
-get_file "$A1111_REPO" "$A1111_COMMIT" models/VAE-approx/model.pt "$REFORGE/models/VAE-approx/model.pt"
-T_EXTRACT=$(( $(date +%s) - T_EXTRACT ))
-if [ "${EXTRACT_ONLY:-0}" = 1 ]; then echo "sources laid out in ${T_EXTRACT}s (EXTRACT_ONLY=1: no venv, no model)"; exit 0; fi
+get_vae_approx
+setup_extract_only
 
 # 2. venv + CPU torch + reForge's requirements_versions.txt (pins changed: setuptools, pydantic),
 #    torchvision 0.28.0 patched
-T_VENV=$(date +%s)
-[ -x "$REFORGE_VENV/bin/python" ] || "$PY" -m venv "$REFORGE_VENV"
-pipq() {  # pip, minus the noisy "Location ... is ignored" lines; keeps pip's exit status
-  local out rc=0; out=$("$REFORGE_VENV/bin/pip" "$@" 2>&1) || rc=$?
-  out=$(grep -v "is ignored: it is neither" <<< "$out" || true); [ -z "$out" ] || echo "$out"; return $rc
-}
-pipq install -q "$TORCH_WHL"
-pipq install -q -r "$SCRIPTS/requirements-reforge-cpu.txt" torchvision==0.28.0 -c "$SCRIPTS/constraints-reforge.txt"
-pipq install -q --no-deps --no-build-isolation "$REFORGE_HARNESS/src/CLIP"     # `clip`, as launch_utils would install
-"$REFORGE_VENV/bin/python" "$SCRIPTS/../patch_torchvision_cpu.py"   # CUDA-only torchvision _C vs CPU torch (every harness's)
-"$REFORGE_VENV/bin/python" -c "import torch, torchvision, clip, open_clip, transformers, diffusers, gradio, pydantic; print('torch', torch.__version__, 'tv', torchvision.__version__, 'transformers', transformers.__version__, 'diffusers', diffusers.__version__, 'gradio', gradio.__version__, 'pydantic', pydantic.VERSION)"
-pipq check || echo "WARN: pip check reports conflicts (see above)"
-T_VENV=$(( $(date +%s) - T_VENV ))
+setup_webui_venv torch torchvision clip open_clip transformers diffusers gradio pydantic
 
 # 3. random-weight SD1.5 checkpoint (full size, fp16 safetensors, original LDM key names), built from ldm_patched's
 #    own classes and checked with reForge's own model detection
-T_MODEL=$(date +%s)
-CKPT=$REFORGE_MODELS/Stable-diffusion/random-sd15.safetensors
-if [ ! -f "$CKPT" ] || [ "${FORCE_MODEL:-0}" = 1 ]; then
-  "$REFORGE_VENV/bin/python" "$SCRIPTS/make_model.py" --reforge "$REFORGE" --out "$CKPT"
-else
-  echo "have $CKPT"
-fi
-T_MODEL=$(( $(date +%s) - T_MODEL ))
-mkdir -p "$REFORGE_RUN" "$HF_HOME"
-echo "setup done in $(( $(date +%s) - T_START ))s (extraction ${T_EXTRACT}s, venv+pip ${T_VENV}s, model ${T_MODEL}s). start: $SCRIPTS/start.sh ; stop: $SCRIPTS/stop.sh"
+setup_forge_checkpoint reforge
+setup_done

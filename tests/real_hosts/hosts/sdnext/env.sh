@@ -1,27 +1,16 @@
 # shared settings for the SD.Next CPU harness (sourced by setup.sh, start.sh, stop.sh ...)
 # Not under a dot-folder such as ~/.cache: gradio refuses to serve files from below one (the UI then loads without
 # its JavaScript), as in the A1111/Forge harnesses.
-. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"     # HOSTS (default ~/tome-hosts), get_tree ...
-export SDNEXT_HARNESS=${SDNEXT_HARNESS:-$HOSTS/sdnext}
-export SDNEXT=$SDNEXT_HARNESS/sdnext                 # the SD.Next source tree (launch.py lives here; config.json too)
-export SDNEXT_VENV=$SDNEXT_HARNESS/venv-sdnext
-export SDNEXT_MODELS=$SDNEXT_HARNESS/models          # --models-dir; the random model is $SDNEXT_MODELS/Diffusers/tiny-sd15
+. "$(dirname "${BASH_SOURCE[0]}")/../common.sh"     # HOSTS (default ~/tome-hosts), get_tree, host_env ...
+# host_env sets what every host shares: SDNEXT_HARNESS (default $HOSTS/sdnext), SDNEXT_MODELS (--models-dir; the random
+# model is $SDNEXT_MODELS/Diffusers/tiny-sd15), SDNEXT_PORT (default 7865), SDNEXT_URL, SDNEXT_RUN (pid + server log +
+# probe log), the offline variables (SD.Next itself also needs "offline_mode": true in config.json, see start.sh) and
+# the torch CPU threads (SDNEXT_THREADS, default 1, a good neighbour on this shared 2-core box; pixels can differ
+# between thread counts: compare images only at the same SDNEXT_THREADS).
+host_env SDNEXT sdnext 7865 sdnext venv-sdnext SD.Next
+export SDNEXT=$HOST_TREE SDNEXT_VENV=$HOST_VENV      # the SD.Next source tree (launch.py lives here; config.json too)
 export SDNEXT_MODEL_NAME=${SDNEXT_MODEL_NAME:-tiny-sd15}
-export SDNEXT_PORT=${SDNEXT_PORT:-7865}
-export SDNEXT_HOST=127.0.0.1
-export SDNEXT_URL=http://$SDNEXT_HOST:$SDNEXT_PORT
-export SDNEXT_RUN=$SDNEXT_HARNESS/run                # pid + server log + probe log live here
 export SDNEXT_PROBE_LOG=${SDNEXT_PROBE_LOG:-$SDNEXT_RUN/probe.jsonl}   # read by probe_extension
-# fully offline (SD.Next itself also needs "offline_mode": true in config.json, see start.sh)
-export HF_HOME=$SDNEXT_HARNESS/hf-home
-export HF_HUB_OFFLINE=1
-export TRANSFORMERS_OFFLINE=1
-export HF_DATASETS_OFFLINE=1
-export DIFFUSERS_OFFLINE=1
-export DISABLE_TELEMETRY=1
-export DO_NOT_TRACK=1
-export GRADIO_ANALYTICS_ENABLED=False
-export PYTHONUNBUFFERED=1
 export SD_NOHASHING=1                                # no sha256 of model files
 # launch.py flags.
 #   --skip-all: no pip/git/version work at start (installer.check_diffusers/check_transformers would otherwise
@@ -43,7 +32,3 @@ export K_DIFFUSION_USE_COMPILE=0
 # with HTTP 500 "No module named 'triton'". SDNEXT_DYNAMO=1 leaves torch.compile on (start.sh still pins
 # sdnq_dequantize_compile=false in config.json, which is enough to avoid the 500).
 if [ "${SDNEXT_DYNAMO:-0}" != 1 ]; then export TORCH_COMPILE_DISABLE=1 TORCHDYNAMO_DISABLE=1; fi
-# torch CPU threads: 1 by default (a good neighbour on this shared 2-core box). Pixels can differ between thread
-# counts: compare images only at the same SDNEXT_THREADS.
-export OMP_NUM_THREADS=${SDNEXT_THREADS:-1}
-export MKL_NUM_THREADS=${SDNEXT_THREADS:-1}

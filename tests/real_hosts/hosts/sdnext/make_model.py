@@ -73,27 +73,13 @@ ids = tokenizer("a photo of a cat", padding="max_length", max_length=tokenizer.m
 print(f"[make_model] size={a.size} built in {time.time() - t0:.1f}s; tokens: {ids[0, :8].tolist()}")
 
 
-@torch.no_grad()
-def perturb_norms(model, name):
-    n = 0
-    for m in model.modules():
-        if isinstance(m, (torch.nn.LayerNorm, torch.nn.GroupNorm)) and getattr(m, "weight", None) is not None:
-            m.weight.copy_(1.0 + 0.1 * torch.randn_like(m.weight))
-            if m.bias is not None:
-                m.bias.copy_(0.1 * torch.randn_like(m.bias))
-            n += 1
-    zeros = 0
-    for _, prm in model.named_parameters():
-        if prm.dim() > 1 and torch.count_nonzero(prm) == 0:
-            torch.nn.init.normal_(prm, std=0.02)
-            zeros += 1
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from make_forge_model import randomise  # noqa: E402  (the Forge family's: norm layers and all-zero weights)
+
+for model, name in ((unet, "unet"), (vae, "vae"), (text_encoder, "text_encoder")):
+    n, zeros = randomise(model)
     print(f"[make_model] {name}: {n} norm layers perturbed, {zeros} all-zero weights re-drawn, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
-
-
-perturb_norms(unet, "unet")
-perturb_norms(vae, "vae")
-perturb_norms(text_encoder, "text_encoder")
 
 with torch.no_grad():
     ctx = text_encoder(ids).last_hidden_state

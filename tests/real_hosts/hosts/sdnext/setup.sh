@@ -30,10 +30,7 @@ T_SRC=$(( $(date +%s) - T_SRC ))
 # 3. venv: CPU torch (local wheel), the runtime packages, diffusers from source, gradio 3.43.2 without its deps
 T_VENV=$(date +%s)
 [ -x "$SDNEXT_VENV/bin/python" ] || "$PY" -m venv "$SDNEXT_VENV"
-pipq() {  # pip without the "Location ... is ignored" noise; keeps pip's exit status
-  local out rc=0; out=$("$SDNEXT_VENV/bin/pip" "$@" 2>&1) || rc=$?
-  out=$(grep -v "is ignored: it is neither" <<< "$out" || true); [ -z "$out" ] || echo "$out"; return $rc
-}
+# pipq (../common.sh): this venv's pip without the "Location ... is ignored" noise; keeps pip's exit status
 C=$SCRIPTS/constraints-sdnext.txt
 pipq install -q torch==2.13.0+cpu -c "$C"
 pipq install -q -r "$SCRIPTS/requirements-sdnext-cpu.txt" -c "$C"
