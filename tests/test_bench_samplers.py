@@ -14,8 +14,10 @@ from tome_core.bench.metrics import psnr
 
 
 def test_one_line_per_proxy_and_sampler_with_each_contenders_psnr(capsys):
+    threads = torch.get_num_threads()
     assert samplers.main(["--layout", "sd15", "--samplers", "euler", "euler_a", "--contenders", "todo", "cache2",
                           "--steps", "5", "--images", "1"]) == 0
+    assert torch.get_num_threads() == threads  # its --threads is for its own run, not the caller's
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| seed")]
     assert len(rows) == 3 * 2
     assert all(re.fullmatch(r"\| seed \d \| (Euler|Euler a) \|( [\d.]+ \[[\d.]+–[\d.]+\] \|){2}", r) for r in rows)

@@ -54,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-seed", type=int, default=7, help="Euler a's fresh noise's seed (default 7)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads)  # a caller's own setting (a test run) is left as it was
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     pipes = [(label, pipe) for label, pipe in load_proxies(torch.device("cpu"), torch.float32) or []
              if ("SDXL" in pipe.name) == (args.layout == "sdxl")]
     print(f"# {' '.join(['python -m tome_core.bench.samplers'] + (argv if argv is not None else sys.argv[1:]))}")
