@@ -4,3 +4,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def webui_unet_for_this_test_only(monkeypatch):
+    """The benchmark patches ldm process-wide as the webui does (SDP attention; ``archs.use_webui_unet``, also
+    run by loading a proxy); take that back after the test, so other test files see ldm as it is."""
+    from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules import openaimodel
+
+    monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
+    monkeypatch.setattr(openaimodel, "th", openaimodel.th)

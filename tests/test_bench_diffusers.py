@@ -20,14 +20,8 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 @pytest.fixture(autouse=True)
-def webui_unet_for_this_test_only(monkeypatch):
-    """The benchmark patches ldm process-wide as the webui does; take that back after each test here, so other
-    test files see ldm as it is."""
-    from ldm.modules.attention import CrossAttention
-    from ldm.modules.diffusionmodules import openaimodel
-
-    monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
-    monkeypatch.setattr(openaimodel, "th", openaimodel.th)
+def _webui_unet(webui_unet_for_this_test_only):
+    """Every test here runs with ldm as the benchmark patches it, and leaves it as it was."""
 
 
 def _tokenizer(folder):

@@ -14,6 +14,8 @@ def test_calls_are_counted_by_kind_as_the_schedule_says(steps, warmup, interval)
     got = runtime.call_counts(steps, {"method": "cache", "cache_warmup": warmup, "cache_interval": interval})
     assert got == (len(full), steps - len(full))
 
+pytestmark = pytest.mark.usefixtures("webui_unet_for_this_test_only")
+
 
 def test_each_kind_of_call_is_timed_and_a_reused_call_does_less_work():
     per_call = runtime.measure("sd15", 128, 1, 1, width=0.1)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import torch
 
 from tome_core.bench import samplers
 from tome_core.bench.loading import load_proxies
 from tome_core.bench.fidelity import noise_for
 from tome_core.bench.metrics import psnr
+
+pytestmark = pytest.mark.usefixtures("webui_unet_for_this_test_only")
 
 
 def test_one_line_per_proxy_and_sampler_with_each_contenders_psnr(capsys):
