@@ -8,9 +8,13 @@ import pytest
 from tome_core.bench import runtime
 
 
-@pytest.mark.parametrize("steps, warmup, interval", [(20, 2, 3), (30, 2, 3), (20, 0, 4), (7, 3, 2)])
-def test_calls_are_counted_by_kind_as_the_schedule_says(steps, warmup, interval):
-    full = [i for i in range(steps) if i < warmup or (i - warmup) % interval == 0 or i == steps - 1]
+# Full steps by the schedule's rule: the warm-up (the first step at least), then gaps of 2, 4, 6 ... steps, at most
+# the longest gap.
+@pytest.mark.parametrize("steps, warmup, interval, full", [(20, 2, 8, [0, 1, 3, 7, 13]),
+                                                           (30, 2, 8, [0, 1, 3, 7, 13, 21, 29]),
+                                                           (20, 0, 4, [0, 2, 6, 10, 14, 18]),
+                                                           (7, 3, 2, [0, 1, 2, 4, 6])])
+def test_calls_are_counted_by_kind_as_the_schedule_says(steps, warmup, interval, full):
     got = runtime.call_counts(steps, {"method": "cache", "cache_warmup": warmup, "cache_interval": interval})
     assert got == (len(full), steps - len(full))
 
@@ -25,4 +29,4 @@ def test_each_kind_of_call_is_timed_and_a_reused_call_does_less_work():
     assert per_call["Cache full"][1] == per_call["none"][1]  # a full call computes what no patch does
     lines = runtime.table("sd15", 128, 1, per_call, [20]).splitlines()
     cache = next(line for line in lines if "| Cache |" in line)
-    assert "| 9 + 11 |" in cache
+    assert "| 5 + 15 |" in cache

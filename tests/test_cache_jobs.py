@@ -46,5 +46,11 @@ def test_the_hires_pass_starts_afresh_and_an_interrupted_job_leaves_nothing(fres
 def test_an_image_does_not_depend_on_the_batch_it_was_made_in(fresh):
     alone = fresh.txt2img(fresh.tome_args(**CACHE), steps=6, seed=21).images[0]
     batch = fresh.txt2img(fresh.tome_args(**CACHE), steps=6, seed=21, batch_size=2).images
-    assert torch.allclose(batch[0], alone, atol=1e-5)
+    # Up to the rounding the unpatched U-Net itself shows between a batch of one and of two (the CPU's matrix
+    # products sum in another order): a kept change of another row would move it by far more.
+    plain_alone = fresh.txt2img(fresh.tome_args(), steps=6, seed=21).images[0]
+    plain_batch = fresh.txt2img(fresh.tome_args(), steps=6, seed=21, batch_size=2).images[0]
+    rounding = (plain_batch - plain_alone).abs().max().item()
+    assert (batch[0] - alone).abs().max().item() <= max(2 * rounding, 1e-5)
+    assert not torch.allclose(batch[1], alone, atol=1e-2)  # the second image is another picture
     fresh.assert_pristine()

@@ -25,8 +25,14 @@ def _trajectory(batch: int = 2, seed: int = 0, steps: int = STEPS, h: int = 32):
     return xs, [t - 120 * i for i in range(steps)], c
 
 
-def _full(i: int, warmup: int, interval: int, steps: int = STEPS) -> bool:
-    return i < warmup or (i - warmup) % interval == 0 or i == steps - 1
+# The full steps of a 6-step run, by (warm-up, longest gap), as the schedule's rule says them: the warm-up (the
+# first step at least), then gaps of 2, 4, 6 ... steps, none longer than the longest gap.
+FULL_STEPS = {(2, 8): {0, 1, 3}, (2, 3): {0, 1, 3}, (1, 2): {0, 2, 4}, (0, 4): {0, 2}, (0, 1): set(range(STEPS)),
+              (4, 8): {0, 1, 2, 3, 5}}
+
+
+def _full(i: int, warmup: int, interval: int) -> bool:
+    return i in FULL_STEPS[warmup, interval]
 
 
 class Oracle:
@@ -36,7 +42,8 @@ class Oracle:
         self.kept: dict = {}
         self.mode, self.slot = "full", 0
         chosen = tome_core.patch.transformer_levels(unet)
-        lowest = {lv for _, _, lv in chosen} if levels is None else levels
+        below_top = sorted({lv for _, _, lv in chosen})[1:]  # "auto": every level but the highest-resolution one
+        lowest = set(below_top) if levels is None else levels
         self.handles = [t.register_forward_hook(self._hook(i), with_kwargs=True)
                         for i, (_, t, lv) in enumerate(chosen) if lv in lowest]
 
@@ -69,7 +76,7 @@ def _patched_run(unet, xs, ts, c, *, calls_per_step=1, progress=True, **options)
 
 
 @pytest.mark.parametrize("layout", ["sd1", "sdxl"])
-@pytest.mark.parametrize("warmup,interval", [(2, 3), (1, 2), (0, 4)])
+@pytest.mark.parametrize("warmup,interval", [(2, 8), (2, 3), (1, 2), (0, 4), (0, 1), (4, 8)])
 def test_each_step_is_the_oracles_full_or_reused_step(layout, warmup, interval):
     unet = tiny_unet(layout)
     xs, ts, c = _trajectory()
@@ -107,7 +114,7 @@ def test_two_calls_a_step_each_reuse_their_own_slots_change():
     oracle = Oracle(unet)
     want = []
     for i in range(STEPS):
-        oracle.mode = "full" if _full(i, 2, 3) else "reuse"
+        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
         for slot, x in enumerate((xs[i], second[i])):
             oracle.slot = slot
             want.append(run(unet, x, ts[i], c))
@@ -124,16 +131,15 @@ def test_without_progress_the_timestep_tells_the_steps():
     unet = tiny_unet("sd1")
     xs, ts, c = _trajectory(batch=2)
     told = _patched_run(unet, xs, ts, c, cache_warmup=1, cache_interval=2)
-    # Without progress the last step is not known, so only the schedule's own full steps run full.
     oracle = Oracle(unet)
     want = []
     for i, (x, t) in enumerate(zip(xs, ts)):
-        oracle.mode = "full" if (i < 1 or (i - 1) % 2 == 0) else "reuse"
+        oracle.mode = "full" if _full(i, 1, 2) else "reuse"
         want.append(run(unet, x, t, c))
     oracle.remove()
     untold = _patched_run(unet, xs, ts, c, progress=False, cache_warmup=1, cache_interval=2)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(untold, want))
-    assert all(torch.equal(a, b) for a, b in zip(told[:-1], untold[:-1]))
+    assert all(torch.equal(a, b) for a, b in zip(told, untold))
     apart = _patched_run(unet, xs, ts, c, progress=False, calls_per_step=2, cache_warmup=1, cache_interval=2)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(untold, apart))
 
@@ -154,9 +160,9 @@ def test_a_new_run_a_rerun_and_a_new_size_start_afresh():
     run(unet, xs[0], ts[0], c)
     small = inputs(2, 16, 16)[0]
     plain = tiny_unet("sd1")
-    for i in range(1, 4):
+    for i in range(1, 5):
         tome_core.set_progress(unet, (i + 0.5) / STEPS)
-        if i == 3:  # a reused step of the schedule, but the first at this size
+        if i == 4:  # a reused step of the schedule, but the first at this size
             assert torch.equal(run(unet, small, ts[i], c), run(plain, small, ts[i], c))
         else:
             run(unet, xs[i], ts[i], c)
@@ -184,8 +190,10 @@ def test_kept_memory_is_one_change_per_stack_and_slot_and_the_restore_is_exact()
     hooks = hook_counts(unet)
     base = [run(unet, x, t, c) for x, t in zip(xs, ts)]
     sizes = []
+    stacks = tome_core.patch.transformer_levels(unet)
+    top = min(lv for _, _, lv in stacks)  # "auto" keeps nothing for the highest-resolution level's stacks
     handles = [t.register_forward_hook(lambda m, a, out: sizes.append(out.numel() * out.element_size()))
-               for _, t, _ in tome_core.patch.transformer_levels(unet)]
+               for _, t, lv in stacks if lv != top]
     run(unet, xs[0], ts[0], c)
     for handle in handles:
         handle.remove()
@@ -206,7 +214,7 @@ def test_a_diffusers_unet_reuses_through_its_tuple_outputs():
     oracle = Oracle(unet)
     want = []
     for i in range(STEPS):
-        oracle.mode = "full" if _full(i, 2, 3) else "reuse"
+        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
         want.append(run_diffusers(unet, xs[i], ts[i], c))
     oracle.remove()
     tome_core.apply_patch(unet, method="cache")

@@ -138,7 +138,7 @@ def test_the_options_a_method_reads_are_parameters_of_the_table(method):
 
 # "auto" levels per method and layout: where each gains (SD 1.x: attention at levels 0-3; SDXL: at 1 and 2).
 AUTO_LEVELS = {"tome": ({0}, {1}), "todo": ({0}, {1}), "local": ({0}, {1}), "stack": ({0}, {1, 2}),
-               "cache": ({0, 1, 2, 3}, {1, 2})}
+               "cache": ({1, 2, 3}, {2})}
 
 
 @ALL

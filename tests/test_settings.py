@@ -65,7 +65,7 @@ def test_defaults():
     assert tm.parse_args(()) == s == tm.DISABLED
     assert s.local_replan == 1 and s.size_weighted_keys is None  # "Auto": the method's own default
     assert s.ui_values() == [False, 0.5, False, 0.0, "ToMe", "auto", 2, 2, True, False, False, 2, "nearest",
-                             0.0, 1.0, 1, "Auto", 3, 2]
+                             0.0, 1.0, 1, "Auto", 8, 2]
     ratio = tm.PARAM["ratio"]
     assert (ratio.low, ratio.high, ratio.step) == (0.0, 0.9, 0.05)
 
@@ -248,7 +248,7 @@ def test_infotexts_of_the_first_release_paste_back_unchanged():
     text = {"ToMe ratio": "0.6", "ToMe method": "ToDo", "ToMe ToDo factor": "3", "ToMe step start": "0.2"}
     pasted = {key: tm.pasted_value(key, text) for key in tm.KEYS}
     assert pasted == dict(zip(tm.KEYS, [True, 0.6, False, 0.0, "ToDo", "auto", 2, 2, True, False, False, 3,
-                                        "nearest", 0.2, 1.0, 1, "Off", 3, 2]))
+                                        "nearest", 0.2, 1.0, 1, "Off", 8, 2]))
     assert TokenMergeSettings.from_infotext(text) == TokenMergeSettings(True, 0.6, method="todo", todo_factor=3,
                                                                         step_start=0.2, size_weighted_keys=False)
 

@@ -83,7 +83,7 @@ class MergeOptions:
     score_chunk_elements: int | None = None
     local_replan: int = 1
     size_weighted_keys: bool = False
-    cache_interval: int = 3
+    cache_interval: int = 8
     cache_warmup: int = 2
 
     def __post_init__(self) -> None:

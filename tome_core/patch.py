@@ -210,7 +210,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
                 method: str = "tome", todo_factor: int = 2, todo_pool: str = "nearest",
                 step_start: float = 0.0, step_end: float = 1.0,
                 score_chunk_elements: int | None = None, local_replan: int = 1, size_weighted_keys: bool = False,
-                cache_interval: int = 3, cache_warmup: int = 2, **unknown: Any) -> Any:
+                cache_interval: int = 8, cache_warmup: int = 2, **unknown: Any) -> Any:
     """Patch ``model`` in place for token merging (or downsampling) and return it.
 
     ``model`` is an LDM/SGM model (with ``.model.diffusion_model``), an ldm/sgm U-Net, a diffusers
@@ -238,7 +238,8 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             gets its own input plus its own change through the stack at the last full step; see
             ``tome_core.methods.cache``; it reads ``max_downsample``, the step window, ``cache_interval`` and
             ``cache_warmup``). With ``max_downsample`` None each method selects the levels where it gains: the
-            highest-resolution attention level; for Stack also SDXL's second level; for Cache every level.
+            highest-resolution attention level; for Stack also SDXL's second level; for Cache every level below
+            the highest-resolution one (SDXL: its deep level alone).
         todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
         step_start, step_end: the window of sampling progress (see ``set_progress``) in which to act.
         score_chunk_elements: upper bound on similarity scores held at once while finding the merge
@@ -249,9 +250,10 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             adds log k to its logit, as if its tokens were keys one by one (proportional attention, ToMe for
             ViTs). Off: the paper's ToMe for SD (and tomesd's outputs). ToDo ignores it (its keys all stand
             for f² tokens).
-        cache_interval, cache_warmup: Cache's full steps: the first ``cache_warmup`` sampling steps, then one in
-            every ``cache_interval``; the others reuse. Steps are told by ``set_progress``, or where it is
-            never called by the U-Net call's timestep.
+        cache_interval, cache_warmup: Cache's full steps: the first ``cache_warmup`` sampling steps, then
+            steps ever further apart, the gaps growing 2, 4, 6 ... up to ``cache_interval`` (with the defaults
+            steps 0, 1, 3, 7, 13, 21, 29 ...); the others reuse. Steps are told by ``set_progress``, or where
+            it is never called by the U-Net call's timestep.
     """
     if unknown:
         allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))

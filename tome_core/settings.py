@@ -178,7 +178,7 @@ PARAMS: tuple[Param, ...] = (
     # Off by default until Auto existed: an infotext without the key was made with it off.
     Param("size_weighted_keys", SWITCH, None, "Size-weighted keys", "ToMe size-weighted keys",
           "[ToMe] Size-weighted keys", choices=SWITCH_CHOICES, absent=False),
-    Param("cache_interval", INT, 3, "Full step every (Cache)", "ToMe cache interval", "[ToMe] Cache interval",
+    Param("cache_interval", INT, 8, "Longest gap (Cache)", "ToMe cache interval", "[ToMe] Cache interval",
           1, MAX_CACHE_INTERVAL, 1),
     Param("cache_warmup", INT, 2, "Full steps first (Cache)", "ToMe cache warmup", "[ToMe] Cache warm-up",
           0, MAX_CACHE_WARMUP, 1),

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--proxy", nargs="+", default=None, metavar="WEIGHTS",
                     help="proxy models' weights made by 'python -m tome_core.bench.proxy train' (other seeds or "
                          "stages), measured instead of the three shipped ones")
+    ap.add_argument("--layouts", nargs="+", default=["sd15"], choices=["sd15", "sdxl"],
+                    help="the shipped proxies to race, by layout (default sd15: the three SD 1.5-layout ones; "
+                         "'sd15 sdxl' adds the three SDXL-layout ones, each layout raced apart, which more than "
+                         "triples the run's time)")
     ap.add_argument("--prediction", default="auto", choices=["auto", "eps", "v"],
                     help="what the checkpoint's U-Net predicts (default: read off the file)")
     ap.add_argument("--sizes", nargs="+", type=int, default=None,

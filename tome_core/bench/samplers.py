@@ -25,7 +25,9 @@ from .sampling import SAMPLER_LABELS, SAMPLERS, sample
 CONTENDERS = {
     "todo": ("ToDo f=2 levels 4", dict(method="todo", max_downsample=4)),
     "stack": ("Stack 0.50 levels 4", dict(method="stack", ratio=0.5, max_downsample=4)),
-    **{f"cache{n}": (f"Cache N={n}", dict(method="cache", cache_interval=n)) for n in range(2, 6)},
+    "cache": ("Cache (defaults)", dict(method="cache")),
+    "cache-levels4": ("Cache levels 4", dict(method="cache", max_downsample=4)),
+    **{f"cache{n}": (f"Cache longest gap {n}", dict(method="cache", cache_interval=n)) for n in range(2, 11)},
 }
 
 
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tome_core.bench.samplers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", choices=["sd15", "sdxl"], default="sdxl")
     ap.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS))
-    ap.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS), default=["todo", "cache3", "cache4"])
+    ap.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS), default=["todo", "cache"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
@@ -63,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    pipes = [(label, pipe) for label, pipe in load_proxies(torch.device("cpu"), torch.float32) or []
-             if ("SDXL" in pipe.name) == (args.layout == "sdxl")]
+    pipes = load_proxies(torch.device("cpu"), torch.float32, layouts=(args.layout,)) or []
     print(f"# {' '.join(['python -m tome_core.bench.samplers'] + (argv if argv is not None else sys.argv[1:]))}")
     print(f"# final PSNR dB against the unmerged pictures, median [range] over {args.images} images, "
           f"{args.steps} steps; each proxy at its evaluation size")

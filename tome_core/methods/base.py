@@ -34,8 +34,11 @@ def where_the_work_is(levels: list[int]) -> set[int]:
     return set(levels[:1] if levels[0] == 0 else levels[:2])
 
 
-def every_level(levels: list[int]) -> set[int]:
-    return set(levels)
+def below_the_top_level(levels: list[int]) -> set[int]:
+    """Every attention level but the highest-resolution one (all of them where there is one): the levels an
+    ancestral sampler's fresh noise moves least between steps, each downsampling averaging it out (SDXL: its
+    deep level alone, 63% of the work at 1024 px)."""
+    return set(levels[1:]) or set(levels)
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Method:
             (the stride does for the others).
         auto_levels: the levels "auto" merge levels (``max_downsample=None``) selects, from the sorted levels
             that have attention: where the method gains on that U-Net (``first_level``,
-            ``where_the_work_is``, ``every_level``).
+            ``where_the_work_is``, ``below_the_top_level``).
     """
 
     name: str
