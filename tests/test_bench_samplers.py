@@ -36,3 +36,30 @@ def test_ancestral_noise_repeats_and_no_patch_gives_the_unmerged_picture():
     assert psnr(other, a) < 60  # another fresh noise: another picture
     todo = samplers.final_pictures(pipe, noise, 3, "euler_a", 7, samplers.CONTENDERS["todo"][1])
     assert not torch.equal(todo, a)
+
+
+def test_the_weighted_one_step_figure_weighs_each_step_by_its_move_of_the_sample():
+    """Two steps at σ 3 then 1 (then 0): Euler moves the sample by 2ε and then by 1ε, so the weights are 4 and 1.
+    An error of 0.5 on every number of the second step's ε (of ones): every step alike, (0 + 0.25) / 2; weighted,
+    (4·0 + 1·0.25·4) / (4·4 + 1·4) over the 4 numbers of a 1×2×2 image."""
+    from tome_core.bench.stepwise import relative_error, sample_weights, weighted_relative_error
+
+    sigmas = [3.0, 1.0]
+    eps = torch.ones(2, 1, 1, 2, 2, dtype=torch.float64)
+    moved = eps.clone()
+    moved[1] += 0.5
+    inputs = torch.zeros_like(eps)
+    sig = torch.tensor(sigmas, dtype=torch.float64).view(-1, 1, 1, 1, 1)
+    reference, other = inputs - sig * eps, inputs - sig * moved  # x̂0 = x_t − σ·ε
+    assert sample_weights(sigmas).tolist() == [4.0, 1.0]
+    assert relative_error(reference, other, inputs, sigmas).tolist() == pytest.approx([0.125])
+    assert weighted_relative_error(reference, other, inputs, sigmas).tolist() == pytest.approx([0.05])
+
+
+def test_step_figures_are_printed_beside_the_final_pictures(capsys):
+    assert samplers.main(["--layout", "sd15", "--samplers", "euler", "--contenders", "todo", "cache", "--steps", "4",
+                          "--images", "1", "--step-figures"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| seed")]
+    assert len(rows) == 3 * 3
+    assert sum("weighted by the sample's move" in r for r in rows) == 3
+    assert all(re.fullmatch(r"\| seed \d \| [^|]+ \|( [\d.]+ \[[\d.]+–[\d.]+\] \|){2}", r) for r in rows)

@@ -4,7 +4,9 @@ range over the images) against the unmerged pictures, one line per proxy and sam
     python -m tome_core.bench.samplers --layout sdxl --samplers euler euler_a dpmpp_2m
 
 The same noise for every contender, the same fresh noise for Euler a (its own seed), progress told to the patch
-at every step as the webui tells it.
+at every step as the webui tells it. ``--step-figures`` adds, per proxy, the two one-step figures along the
+unmerged Euler run (``stepwise``): the benchmark's (every step alike) and the one weighted by how far each step
+moves the sample, to set beside the final pictures.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .contenders import Wrapped
 from .fidelity import noise_for
 from .loading import load_proxies
 from .metrics import psnr_each
-from .sampling import SAMPLER_LABELS, SAMPLERS, sample
+from .sampling import SAMPLER_LABELS, SAMPLERS, denoise, sample
+from .stepwise import Trajectory, reference_trajectory, relative_error, to_db, weighted_relative_error
 
 CONTENDERS = {
     "todo": ("ToDo f=2 levels 4", dict(method="todo", max_downsample=4)),
@@ -45,6 +48,30 @@ def final_pictures(pipe, noise: torch.Tensor, steps: int, sampler: str, noise_se
     return pipe.decode(x).float().cpu()
 
 
+def one_step_figures(pipe, trajectory: Trajectory, options: dict) -> tuple[list[float], list[float]]:
+    """Per image, dB: the one-step figure along the unmerged run ``trajectory`` (``reference_trajectory``)
+    patched with ``options`` (progress told at each step), every step alike (``relative_error``) and weighted
+    by each step's move of the sample (``weighted_relative_error``)."""
+    wrapped = Wrapped(pipe.unet)
+    tome_core.apply_patch(wrapped, **options)
+    try:
+        estimates = []
+        for i in range(trajectory.steps):
+            tome_core.set_progress(wrapped, (i + 0.5) / trajectory.steps)
+            estimates.append(denoise(pipe, trajectory.inputs[i], trajectory.sigmas[i],
+                                     trajectory.timesteps[i]).cpu())
+    finally:
+        tome_core.remove_patch(wrapped)
+    args = (trajectory.denoised, torch.stack(estimates), trajectory.inputs, trajectory.sigmas)
+    return ([to_db(float(v)) for v in relative_error(*args)],
+            [to_db(float(v)) for v in weighted_relative_error(*args)])
+
+
+def _cell(values: list[float]) -> str:
+    got = sorted(values)
+    return f"{got[len(got) // 2]:.1f} [{got[0]:.1f}–{got[-1]:.1f}]"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tome_core.bench.samplers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layout", choices=["sd15", "sdxl"], default="sdxl")
@@ -55,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
     ap.add_argument("--noise-seed", type=int, default=7, help="Euler a's fresh noise's seed (default 7)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--step-figures", action="store_true",
+                    help="also the one-step figures (every step alike, and weighted by each step's move of the "
+                         "sample) along the unmerged Euler run")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -75,12 +105,15 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         noise = noise_for(pipe, pipe.size, args.images, args.seed)
         for sampler in args.samplers:
             reference = final_pictures(pipe, noise, args.steps, sampler, args.noise_seed, None)
-            cells = []
-            for key in args.contenders:
-                got = sorted(psnr_each(final_pictures(pipe, noise, args.steps, sampler, args.noise_seed,
-                                                      CONTENDERS[key][1]), reference))
-                cells.append(f"{got[len(got) // 2]:.1f} [{got[0]:.1f}–{got[-1]:.1f}]")
+            cells = [_cell(psnr_each(final_pictures(pipe, noise, args.steps, sampler, args.noise_seed,
+                                                    CONTENDERS[key][1]), reference)) for key in args.contenders]
             print(f"| {label} | {SAMPLER_LABELS[sampler]} | " + " | ".join(cells) + " |", flush=True)
+        if args.step_figures:
+            trajectory, _ = reference_trajectory(pipe, noise, args.steps)
+            figures = [one_step_figures(pipe, trajectory, CONTENDERS[key][1]) for key in args.contenders]
+            for name, figure in zip(("one step, every step alike", "one step, weighted by the sample's move"),
+                                    zip(*figures)):
+                print(f"| {label} | {name} (Euler) | " + " | ".join(_cell(v) for v in figure) + " |", flush=True)
     return 0
 
 

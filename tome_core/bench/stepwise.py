@@ -57,17 +57,40 @@ def reference_trajectory(pipe: Pipeline, noise: torch.Tensor, steps: int) -> tup
                       [int(t) for t in ts]), final
 
 
+def _noise_errors(reference: torch.Tensor, other: torch.Tensor, inputs: torch.Tensor, sigmas: list[float]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(steps, B) each: ‖ε_other − ε_ref‖² and ‖ε_ref‖², where ε = (x_t − x̂0) / σ."""
+    sig = torch.tensor(sigmas, dtype=torch.float64).view(-1, *([1] * (reference.dim() - 1)))
+    eps_ref = (inputs - reference) / sig
+    eps_other = (inputs - other) / sig
+    error = (eps_other - eps_ref).pow(2).flatten(2).sum(-1)
+    return error, eps_ref.pow(2).flatten(2).sum(-1).clamp_min(1e-300)
+
+
 def relative_error(reference: torch.Tensor, other: torch.Tensor, inputs: torch.Tensor,
                    sigmas: list[float]) -> torch.Tensor:
     """Per image (B,): the mean over steps of ‖ε_other − ε_ref‖² / ‖ε_ref‖², where ε = (x_t − x̂0) / σ.
 
     reference, other: clean-sample estimates (steps, B, C, h, w); inputs: the steps' x_t, same shape."""
-    sig = torch.tensor(sigmas, dtype=torch.float64).view(-1, *([1] * (reference.dim() - 1)))
-    eps_ref = (inputs - reference) / sig
-    eps_other = (inputs - other) / sig
-    error = (eps_other - eps_ref).pow(2).flatten(2).sum(-1)  # (steps, B)
-    power = eps_ref.pow(2).flatten(2).sum(-1).clamp_min(1e-300)
+    error, power = _noise_errors(reference, other, inputs, sigmas)
     return (error / power).mean(0)
+
+
+def sample_weights(sigmas: list[float]) -> torch.Tensor:
+    """(steps,) float64: (σ_i − σ_{i+1})², σ 0 after the last step: how far an Euler step moves the sample per
+    unit of predicted noise (x_{i+1} = x_i + (σ_{i+1} − σ_i)·ε), squared."""
+    ends = list(sigmas) + [0.0]
+    return torch.tensor([(ends[i] - ends[i + 1]) ** 2 for i in range(len(sigmas))], dtype=torch.float64)
+
+
+def weighted_relative_error(reference: torch.Tensor, other: torch.Tensor, inputs: torch.Tensor,
+                            sigmas: list[float]) -> torch.Tensor:
+    """Per image (B,): Σ_i w_i·‖ε_other − ε_ref‖² / Σ_i w_i·‖ε_ref‖², w = ``sample_weights``: each step's error
+    weighed by how far that step moves the sample, so that a late, low-noise step's error (a short move) counts
+    little and an early one's much, as in the final picture. Same arguments as ``relative_error``."""
+    error, power = _noise_errors(reference, other, inputs, sigmas)
+    w = sample_weights(sigmas).view(-1, 1)
+    return (w * error).sum(0) / (w * power).sum(0)
 
 
 def to_db(relative: float) -> float:
