@@ -131,6 +131,12 @@ class Host:
         tell the user (console lines, none when it was off)."""
         return []
 
+    def own_step_cache(self, p: Any, opts: Any) -> str | None:
+        """The webui's own step cache that job ``p`` runs with (its name and where it is set, for a console
+        line), or None. A Cache job is refused beside one: two caches skipping steps would each reuse work the
+        other never did."""
+        return None
+
     def is_hires_pass(self, p: Any) -> bool:
         """Where ``calls_pass_hooks`` is False: whether the pass under way is the hires-fix pass."""
         return bool(getattr(p, "is_hr_pass", False))
@@ -261,6 +267,14 @@ class SDNext(Host):
             if isinstance(total, int) and not isinstance(total, bool) and total > 0:
                 return total
         return None
+
+    def own_step_cache(self, p: Any, opts: Any) -> str | None:
+        """DeepCache, SD.Next's step cache for U-Nets: set up by the "deep-cache" model compile backend, which
+        leaves its worker in ``modules.sd_models_compile`` and enables it before every pass."""
+        compiled = sys.modules.get("modules.sd_models_compile")
+        if getattr(compiled, "deepcache_worker", None) is None:
+            return None
+        return "SD.Next's DeepCache (Settings, Compute: model compile backend deep-cache)"
 
     def complete_pasted(self, infotext: str, params: dict, keys: Iterable[str]) -> None:
         """SD.Next's parser reads only keys of letters, digits, "_" and spaces, so "ToMe merge cross-attention"

@@ -137,6 +137,15 @@ def current_unet() -> tuple[nn.Module | None, str | None]:
     return (None, reason) if reason else (host.unet(model), None)
 
 
+def step_cache_conflict(p: Any, settings: tm.TokenMergeSettings) -> str | None:
+    """Why the job's method cannot run here (it reuses steps, and the webui's own step cache is on), or None."""
+    method = tome_core.method_named(settings.method)
+    cache = current_host().own_step_cache(p, shared.opts) if method.reuses_steps else None
+    if cache is None:
+        return None
+    return f"{method.label} does not run beside {cache}, which skips steps of its own; turn one off"
+
+
 def batch_seed(p: Any) -> int:
     """The seed of the current batch's first image: the key of the random partition, so that one
     infotext always gives the same image."""
@@ -326,7 +335,7 @@ class TokenMergeScript(scripts.Script):
         p.tokenmerge_printed = set()
         # postprocess does not run when sampling raised, so the previous job may have left its patch on.
         JOB.begin()
-        if settings.enabled and (reason := current_unet()[1]):
+        if settings.enabled and (reason := current_unet()[1] or step_cache_conflict(p, settings)):
             # Say why now, and leave the webui's own token merging as the user set it: turning it off for a job
             # that then skips ToMe would leave the user with no merging at all.
             note_once(p, f"skipped: {reason}")
@@ -340,6 +349,10 @@ class TokenMergeScript(scripts.Script):
         if settings.enabled and (reason := current_unet()[1]):
             note_once(p, f"skipped: {reason}")
             settings = tm.DISABLED
+        if settings.enabled and (reason := step_cache_conflict(p, settings)):
+            note_once(p, f"skipped: {reason}")
+            settings = tm.DISABLED
+            setattr(p, SETTINGS_ATTRIBUTE, settings)  # every later hook of the job: no pass is patched
         if settings.enabled and settings.hr_only and not getattr(p, "enable_hr", False):
             note_once(p, "'Hires fix only' is on but this job has no hires fix pass: nothing is merged")
             settings = tm.DISABLED

@@ -226,3 +226,19 @@ def test_the_busy_hint_suggests_one_thread_only_to_a_run_that_used_more(threads,
     hint = runs.steadier_hint(args)
     assert "--repeats 6" in hint
     assert ("--threads 1" in hint) is suggested
+
+
+def test_the_default_race_takes_the_sd15_layout_proxies_and_layouts_adds_the_sdxl_ones():
+    """The default run stays a job a newcomer waits for: the three SD 1.5-layout proxies; --layouts sd15 sdxl
+    races the SDXL-layout ones too, a layout at a time."""
+    from tome_core.bench.loading import trained_groups
+
+    def groups(argv):
+        args = arguments.parse_args(argv)
+        arguments.check_args(args)
+        return [[(label, "SDXL" in pipe.name) for label, pipe in group]
+                for group in trained_groups(args, torch.device("cpu"), torch.float32)]
+
+    assert groups([]) == [[("seed 0", False), ("seed 1", False), ("seed 2", False)]]
+    both = groups(["--layouts", "sd15", "sdxl"])
+    assert [[sdxl for _, sdxl in group] for group in both] == [[False] * 3, [True] * 3]

@@ -234,3 +234,57 @@ def test_bad_options_are_refused_naming_them():
         with pytest.raises((TypeError, ValueError), match=words):
             tome_core.apply_patch(unet, method="cache", **bad)
         assert not tome_core.is_patched(unet)
+
+
+def _controlnet_residuals(unet, x, t, c, step: int):
+    """ControlNet's residuals for one step, shaped as diffusers' U-Net takes them (one per skip connection and
+    one for the middle block), drawn afresh per step: a control's effect changes every step."""
+    shapes = []
+    handles = [unet.conv_in.register_forward_hook(lambda m, a, out: shapes.append(out.shape))]
+    handles += [block.register_forward_hook(lambda m, a, out: shapes.extend(s.shape for s in out[1]))
+                for block in unet.down_blocks]
+    handles.append(unet.mid_block.register_forward_hook(lambda m, a, out: shapes.append(out.shape)))
+    run_diffusers(unet, x, t, c)
+    for handle in handles:
+        handle.remove()
+    gen = torch.Generator().manual_seed(100 + step)
+    residuals = [0.3 * torch.randn(shape, generator=gen) for shape in shapes]
+    return {"down_block_additional_residuals": tuple(residuals[:-1]), "mid_block_additional_residual": residuals[-1]}
+
+
+def test_controlnet_residuals_act_on_every_step_the_reused_ones_too():
+    """ControlNet adds its residuals outside the transformer stacks (to the skip connections and the middle
+    block's output), so on a reused step the current control still reaches every token: Cache's output is the
+    oracle's (each stack's current input, the control's effect in it, plus its kept change), and another
+    control at a reused step gives another output."""
+    unet = diffusers_unet("sdxl")
+    x, t, c = inputs(2, 16, 16, tokens=7)
+    c = torch.randn(2, 7, unet.config.cross_attention_dim, generator=torch.Generator().manual_seed(2))
+    xs = [x * (1 - 0.1 * i) for i in range(STEPS)]
+    ts = [t - 100 * i for i in range(STEPS)]
+    controls = [_controlnet_residuals(unet, xs[i], ts[i], c, i) for i in range(STEPS)]
+    oracle = Oracle(unet)
+    want = []
+    for i in range(STEPS):
+        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
+        want.append(run_diffusers(unet, xs[i], ts[i], c, **controls[i]))
+    oracle.remove()
+    tome_core.apply_patch(unet, method="cache")
+
+    def patched(controls):
+        out = []
+        for i in range(STEPS):
+            tome_core.set_progress(unet, (i + 0.5) / STEPS)
+            out.append(run_diffusers(unet, xs[i], ts[i], c, **controls[i]))
+        return out
+
+    got = patched(controls)
+    doubled = list(controls)  # a new run, the same but for another control at step 2, a reused step
+    doubled[2] = {key: tuple(2 * r for r in value) if isinstance(value, tuple) else 2 * value
+                  for key, value in controls[2].items()}
+    other = patched(doubled)
+    tome_core.remove_patch(unet)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+    assert not _full(2, 2, 8)
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], other[:2]))
+    assert not torch.allclose(other[2], got[2], atol=1e-3)

@@ -240,3 +240,24 @@ def test_a_cache_job_reuses_between_full_steps_and_gives_its_pixels_again(fresh)
     assert torch.equal(image(fresh.txt2img()), image(plain))
     assert tome_keys(job["info"]["infotexts"][0]) == {"ToMe ratio": 0.5, "ToMe method": "Cache",
                                                       "ToMe cache interval": 2, "ToMe cache warmup": 1}
+
+
+def test_a_cache_job_is_refused_in_one_line_beside_deepcache_and_other_methods_still_run(fresh, monkeypatch, capsys):
+    """SD.Next's DeepCache (its "deep-cache" compile backend) skips U-Net steps of its own: a Cache job beside it
+    runs without ToMe, saying so once; a ToMe job is not a step cache and runs as without DeepCache."""
+    from modules import sd_models_compile
+
+    plain = fresh.txt2img()
+    tome = fresh.txt2img([{"enabled": True, "ratio": 0.5}])
+    worker = sd_models_compile.Worker()
+    monkeypatch.setattr(sd_models_compile, "deepcache_worker", worker)
+    capsys.readouterr()
+    job = fresh.txt2img([{"enabled": True, "method": "Cache"}])
+    assert console_lines(capsys.readouterr().out) == [
+        "[ToMe] skipped: Cache does not run beside SD.Next's DeepCache (Settings, Compute: model compile backend "
+        "deep-cache), which skips steps of its own; turn one off"]
+    assert worker.enables == 1 and not worker.enabled  # SD.Next's own on and off, untouched
+    assert torch.equal(image(job), image(plain))  # the stand-in worker changes nothing: no patch did
+    assert tome_keys(job["info"]["infotexts"][0]) == {}
+    assert torch.equal(image(fresh.txt2img([{"enabled": True, "ratio": 0.5}])), image(tome))
+    fresh.assert_pristine()

@@ -23,7 +23,7 @@ PROG = "python -m tome_core.bench"
 DESCRIPTION = "What token merging gains on this machine, and what it costs the picture."
 METHOD_NAMES = ("ToMe", "ToDo", "Local", "Stack", "tomesd")
 DEFAULT_SHEET = "tome-fidelity.png"
-PROXY_IMAGES = 4  # images per proxy in the default run: three proxies, two passes of 20 steps per contender
+PROXY_IMAGES = 3  # images per proxy in the default run: three proxies, two passes of 20 steps per contender
 
 
 class UsageError(Exception):
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the fidelity run's sampler: euler, euler_a (ancestral: fresh noise at every step) or "
                          "dpmpp_2m (default euler; the one-step figure is measured with euler only)")
     ap.add_argument("--cache-intervals", nargs="+", type=int, default=None, metavar="N",
-                    help="also race Cache with a full step every N steps (its other settings at their "
+                    help="also race Cache with full steps at most N steps apart (its other settings at their "
                          "defaults); its speed over a whole run: python -m tome_core.bench.runtime")
     ap.add_argument("--images", type=int, default=None,
                     help=f"images per model, each compared on its own: the tables give the median and the range "

@@ -214,7 +214,7 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
     each ratio; Stack at each ratio (with ``with_stack``); with ``with_merge_mlp``, "ToMe +mlp" (its MLP merged
     too) at each ratio; with ``with_size_weighted``, "ToMe +sw" and "Local +sw" at each ratio
     (``size_weighted_keys``: a key that stands for k tokens adds log k to its attention logit); Cache at each of
-    ``cache_intervals`` (its full step every N, at its own levels); tomesd at each ratio (when installed and
+    ``cache_intervals`` (its longest gap between full steps, at its own levels); tomesd at each ratio (when installed and
     wanted, with the same options); the ideal at each ratio, (with Local) the keys-and-values ideal at each
     ratio and (with Stack) the whole-stack ideal at each ratio.
 
@@ -264,8 +264,8 @@ def roster(ratios: list[float], todo_factors: list[int], *, use_rand: bool = Tru
             out.append(labelled(f"Local {SIZE_WEIGHTED}", f"{ratio:.2f}", lambda m, r=ratio: tome_core.apply_patch(
                 m, method="local", ratio=r, max_downsample=max_downsample, size_weighted_keys=True),
                 tome_core.remove_patch, kv_ideal_of(ratio)))
-    for interval in cache_intervals:  # at its own levels ("auto": every attention level), as users get it
-        out.append(labelled("Cache", f"N={interval}", lambda m, n=interval: tome_core.apply_patch(
+    for interval in cache_intervals:  # at its own levels ("auto": those below the top one), as users get it
+        out.append(labelled("Cache", f"gap {interval}", lambda m, n=interval: tome_core.apply_patch(
             m, method="cache", cache_interval=n), tome_core.remove_patch))
     if with_tomesd and tomesd_available():
         import tomesd

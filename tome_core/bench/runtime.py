@@ -1,7 +1,7 @@
 """A whole sampling run's speed, for methods whose calls differ within a run (Cache: full and reused calls).
 
-One U-Net call's time says what a method gains when every call is alike. Cache's calls are not: the first steps,
-one in every few and the last run the stacks whole, the others skip them. Here every call of a run of ``steps``
+One U-Net call's time says what a method gains when every call is alike. Cache's calls are not: the first steps
+and then steps ever further apart run the stacks whole, the others skip them. Here every call of a run of ``steps``
 steps is counted by kind (the patch's own counters over a real run of a small U-Net with the same options: the
 schedule does not depend on the model's size), each kind is timed on the webui's real architecture and width
 (random weights: speed only), and the run's time is their sum; multiply-adds likewise. ToDo and Stack, whose
@@ -50,11 +50,6 @@ def call_counts(steps: int, options: dict) -> tuple[int, int]:
     return kept.full_calls, kept.reused_calls
 
 
-def _timed(call, rounds: int, device: torch.device) -> float:
-    with torch.no_grad():
-        return statistics.median(time_call(call, device) for _ in range(rounds)) / 1000  # seconds
-
-
 def _macs(call) -> int:
     counter = MultiplyAddCounter()
     with counter, torch.no_grad():
@@ -66,7 +61,9 @@ def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, c
             device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32, others: bool = True
             ) -> dict[str, tuple[float, int]]:
     """Seconds (median of ``rounds``) and multiply-adds of one call of each kind: "none", Cache's "full" and
-    "reused" calls (``cache``: its options beyond the method), and (with ``others``) each of ``OTHERS``."""
+    "reused" calls (``cache``: its options beyond the method), and (with ``others``) each of ``OTHERS``. The
+    kinds are timed in interleaved rounds (each round times every kind once, after a round that warms them
+    up), so a machine that slows down or speeds up during the run moves every kind alike."""
     cache = {"method": "cache", **(cache or {})}
     unet, ctx_dim = archs.build_unet(arch, device, dtype, width)
     wrapped = Wrapped(unet)
@@ -76,35 +73,40 @@ def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, c
     def call():
         return unet(x, t, context=context)
 
-    out: dict[str, tuple[float, int]] = {}
-    with torch.no_grad():
-        call()  # warm-up: the first call at a size pays for allocations
-    out["none"] = (_timed(call, rounds, device), _macs(call))
-    # The kinds of call do not depend on the schedule: timed with every other step full (0, 2, 4 ...), each
-    # reused step (1, 3 ...) right after a full one, as in a run.
-    tome_core.apply_patch(wrapped, **{**cache, "cache_warmup": 0, "cache_interval": 2})
-    timed: dict[str, list[float]] = {"Cache full": [], "Cache reused": []}
+    # The kinds of call do not depend on the schedule: Cache is timed with every other step full (0, 2, 4 ...),
+    # its reused step right after a full one, as in a run.
+    every_other = {**cache, "cache_warmup": 0, "cache_interval": 2}
+    patches = {"none": None, "Cache": every_other, **(OTHERS if others else {})}
+    timed: dict[str, list[float]] = {}
     macs: dict[str, int] = {}
-    for i in range(2 * rounds + 2):
-        tome_core.set_progress(wrapped, (i + 0.5) / 100)
-        kind = "Cache full" if i % 2 == 0 else "Cache reused"
-        with torch.no_grad():
-            seconds = time_call(call, device) / 1000
-        if i >= 2:  # the first pair warms up
-            timed[kind].append(seconds)
-    for i, kind in enumerate(("Cache full", "Cache reused")):
-        tome_core.set_progress(wrapped, (i + 0.5) / 100 + 0.5)
-        macs[kind] = _macs(call)
-    for kind, samples in timed.items():
-        out[kind] = (statistics.median(samples), macs[kind])
-    tome_core.remove_patch(wrapped)
-    for name, options in OTHERS.items() if others else ():
-        tome_core.apply_patch(wrapped, **options)
-        with torch.no_grad():
-            call()
-        out[name] = (_timed(call, rounds, device), _macs(call))
+
+    def one_round(count: bool) -> None:
+        for name, options in patches.items():
+            if options is not None:
+                tome_core.apply_patch(wrapped, **options)
+            kinds = ("Cache full", "Cache reused") if name == "Cache" else (name,)
+            for i, kind in enumerate(kinds):
+                if name == "Cache":
+                    tome_core.set_progress(wrapped, (i + 0.5) / 100)  # step 0 of a new run: full; step 1: reused
+                with torch.no_grad():
+                    seconds = time_call(call, device) / 1000
+                if count:
+                    timed.setdefault(kind, []).append(seconds)
+            tome_core.remove_patch(wrapped)
+
+    one_round(count=False)  # warm-up: the first call of each kind pays for allocations
+    for _ in range(rounds):
+        one_round(count=True)
+    for name, options in patches.items():  # multiply-adds: what each kind computes, not timed
+        if options is not None:
+            tome_core.apply_patch(wrapped, **options)
+        kinds = ("Cache full", "Cache reused") if name == "Cache" else (name,)
+        for i, kind in enumerate(kinds):
+            if name == "Cache":
+                tome_core.set_progress(wrapped, (i + 0.5) / 100)
+            macs[kind] = _macs(call)
         tome_core.remove_patch(wrapped)
-    return out
+    return {kind: (statistics.median(samples), macs[kind]) for kind, samples in timed.items()}
 
 
 def table(arch: str, size: int, batch: int, per_call: dict[str, tuple[float, int]], steps: list[int],
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    archs.require_ldm()
+    archs.use_webui_unet()  # the webui's SDP attention, as every other timing here runs
     print(f"# {' '.join(['python -m tome_core.bench.runtime'] + (argv if argv is not None else sys.argv[1:]))}")
     print(f"# CPU, {torch.get_num_threads()} threads, float32, SDP attention, random weights (speed only), "
           f"{args.rounds} rounds (median); Cache at its defaults")

@@ -57,6 +57,8 @@ class Method:
         auto_levels: the levels "auto" merge levels (``max_downsample=None``) selects, from the sorted levels
             that have attention: where the method gains on that U-Net (``first_level``,
             ``where_the_work_is``, ``below_the_top_level``).
+        reuses_steps: it reuses work from one sampling step on later ones, so it cannot run beside a host's
+            own step cache (which would skip the steps it keeps its work from).
     """
 
     name: str
@@ -66,6 +68,7 @@ class Method:
     size_weighted_default: bool = False
     windowed: bool = False
     auto_levels: Callable[[list[int]], set[int]] = first_level
+    reuses_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.name != self.label.lower():

@@ -185,4 +185,4 @@ class CachePatch(MethodPatch):
 
 
 METHOD = Method("cache", "Cache", ("cache_interval", "cache_warmup"), CachePatch,
-                auto_levels=below_the_top_level)
+                auto_levels=below_the_top_level, reuses_steps=True)

@@ -1,5 +1,5 @@
-"""SD.Next's diffusers processing (modules/processing_diffusers.py): per pass ``process_pre`` (built-in token
-merging from the settings, then HiDiffusion, whose unapply resets ``_parent`` modules), the pipeline call,
+"""SD.Next's diffusers processing (modules/processing_diffusers.py): per pass ``process_pre`` (DeepCache's worker
+enabled where there is one, built-in token merging from the settings, then HiDiffusion, whose unapply resets ``_parent`` modules), the pipeline call,
 ``process_post`` in a ``finally``. The hires pass runs the same U-Net through an img2img pipeline built from
 the same components; no Script hook runs between the passes. A RuntimeError or ValueError in a pass is
 logged and interrupts the job (its postprocess hooks are then skipped)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modules import errors, hidiffusion, shared, token_merge
+from modules import errors, hidiffusion, sd_models_compile, shared, token_merge
 
 _img2img_pipes: dict[int, object] = {}
 
@@ -32,6 +32,7 @@ def switch_pipeline(pipe, task: str):
 
 def process_pre(p) -> None:
     try:
+        sd_models_compile.check_deepcache(enable=True)
         token_merge.apply_token_merging(shared.sd_model)
         hidiffusion.apply(p, shared.sd_model_type)
     except Exception as error:
@@ -40,6 +41,7 @@ def process_pre(p) -> None:
 
 def process_post(p) -> None:
     try:
+        sd_models_compile.check_deepcache(enable=False)
         token_merge.remove_token_merging(shared.sd_model)
         hidiffusion.unapply()
     except Exception as error:
