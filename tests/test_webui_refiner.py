@@ -126,3 +126,24 @@ def test_a_job_that_fails_on_the_refiner_leaves_nothing_on_the_next_job(fresh):
     now = snapshot(other)
     assert now["hooks"] == 0 and now["modules"] == pristine["modules"]
     assert torch.equal(now["output"], pristine["output"])
+
+
+def test_a_cache_job_with_the_refiner_keeps_each_models_changes_apart_and_repeats(fresh):
+    """Cache keeps each U-Net's changes in its own patch: the refiner's first steps run whole (nothing of the
+    base model's is ever applied to it), the job repeats to the pixel, and both models are restored."""
+    other = refiner(fresh)
+    job = dict(seed=3, steps=6, refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.5)
+    cache = fresh.tome_args(enabled=True, method="Cache", cache_warmup=1, cache_interval=2)
+    plain = fresh.txt2img(fresh.tome_args(), **job).images[0]
+    kept_before = []  # what the refiner's own patch holds before each of its calls
+    other.observers.append(lambda model, *_: kept_before.append(
+        len(tome_core.get_patch(model.unet).method_patch.kept)))
+    first = fresh.txt2img(cache, **job)
+    assert [c.model for c in fresh.calls][-6:] == [fresh.model] * 3 + [other] * 3
+    assert kept_before[0] == 0 and kept_before[1] > 0  # it starts empty, then keeps its own
+    assert not torch.equal(first.images[0], plain)
+    assert torch.equal(fresh.txt2img(cache, **job).images[0], first.images[0])
+    base_only = fresh.txt2img(fresh.tome_args(enabled=True, method="Cache", cache_warmup=1, cache_interval=2,
+                                              step_end=0.5), **job).images[0]
+    assert not torch.equal(base_only, first.images[0])  # the refiner's steps reuse too
+    assert_unpatched(other)

@@ -23,7 +23,7 @@ PROG = "python -m tome_core.bench"
 DESCRIPTION = "What token merging gains on this machine, and what it costs the picture."
 METHOD_NAMES = ("ToMe", "ToDo", "Local", "Stack", "tomesd")
 DEFAULT_SHEET = "tome-fidelity.png"
-PROXY_IMAGES = 3  # images per proxy in the default run: three proxies, two passes of 20 steps per contender
+PROXY_IMAGES = 4  # images per proxy in the default run: three proxies, two passes of 20 steps per contender
 
 
 class UsageError(Exception):
