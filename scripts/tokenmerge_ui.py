@@ -316,18 +316,24 @@ class TokenMergeScript(scripts.Script):
         return self.parse_job_settings(p, args)
 
     def parse_job_settings(self, p: Any, args: tuple, *, report: bool = False) -> tm.TokenMergeSettings:
-        """The settings of this job: the hook's arguments, then the XYZ cell's overrides. A bad value turns
-        ToMe off for the job; ``report`` prints why."""
+        """The settings of this job: the hook's arguments, then the XYZ cell's overrides. A bad value, or a
+        method that cannot run beside the webui's own step cache, turns ToMe off for the job; ``report`` prints
+        why."""
         try:
             settings = tm.parse_args(args)
             overrides = getattr(p, tm.OVERRIDES_ATTRIBUTE, None)
             if overrides:
                 settings = settings.with_overrides(overrides)
-            return settings.without_hires() if self.is_img2img else settings
+            settings = settings.without_hires() if self.is_img2img else settings
         except (TypeError, ValueError) as error:
             if report:
                 print(f"{LOG_PREFIX} {error}; generating without ToMe")
             return tm.DISABLED
+        if settings.enabled and (conflict := step_cache_conflict(p, settings)):
+            if report:
+                print(f"{LOG_PREFIX} skipped: {conflict}")
+            return tm.DISABLED
+        return settings
 
     def before_process(self, p: Any, *args: Any) -> None:
         settings = self.parse_job_settings(p, args, report=True)
@@ -335,7 +341,7 @@ class TokenMergeScript(scripts.Script):
         p.tokenmerge_printed = set()
         # postprocess does not run when sampling raised, so the previous job may have left its patch on.
         JOB.begin()
-        if settings.enabled and (reason := current_unet()[1] or step_cache_conflict(p, settings)):
+        if settings.enabled and (reason := current_unet()[1]):
             # Say why now, and leave the webui's own token merging as the user set it: turning it off for a job
             # that then skips ToMe would leave the user with no merging at all.
             note_once(p, f"skipped: {reason}")
@@ -349,10 +355,6 @@ class TokenMergeScript(scripts.Script):
         if settings.enabled and (reason := current_unet()[1]):
             note_once(p, f"skipped: {reason}")
             settings = tm.DISABLED
-        if settings.enabled and (reason := step_cache_conflict(p, settings)):
-            note_once(p, f"skipped: {reason}")
-            settings = tm.DISABLED
-            setattr(p, SETTINGS_ATTRIBUTE, settings)  # every later hook of the job: no pass is patched
         if settings.enabled and settings.hr_only and not getattr(p, "enable_hr", False):
             note_once(p, "'Hires fix only' is on but this job has no hires fix pass: nothing is merged")
             settings = tm.DISABLED

@@ -80,7 +80,8 @@ def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, c
     timed: dict[str, list[float]] = {}
     macs: dict[str, int] = {}
 
-    def one_round(count: bool) -> None:
+    def each_kind():
+        """Yields each kind of call, the U-Net patched for it (and, for Cache, at the step of its kind)."""
         for name, options in patches.items():
             if options is not None:
                 tome_core.apply_patch(wrapped, **options)
@@ -88,24 +89,17 @@ def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, c
             for i, kind in enumerate(kinds):
                 if name == "Cache":
                     tome_core.set_progress(wrapped, (i + 0.5) / 100)  # step 0 of a new run: full; step 1: reused
-                with torch.no_grad():
-                    seconds = time_call(call, device) / 1000
-                if count:
-                    timed.setdefault(kind, []).append(seconds)
+                yield kind
             tome_core.remove_patch(wrapped)
 
-    one_round(count=False)  # warm-up: the first call of each kind pays for allocations
-    for _ in range(rounds):
-        one_round(count=True)
-    for name, options in patches.items():  # multiply-adds: what each kind computes, not timed
-        if options is not None:
-            tome_core.apply_patch(wrapped, **options)
-        kinds = ("Cache full", "Cache reused") if name == "Cache" else (name,)
-        for i, kind in enumerate(kinds):
-            if name == "Cache":
-                tome_core.set_progress(wrapped, (i + 0.5) / 100)
-            macs[kind] = _macs(call)
-        tome_core.remove_patch(wrapped)
+    for round_ in range(rounds + 1):  # round 0 warms up: the first call of each kind pays for allocations
+        for kind in each_kind():
+            with torch.no_grad():
+                seconds = time_call(call, device) / 1000
+            if round_:
+                timed.setdefault(kind, []).append(seconds)
+    for kind in each_kind():  # multiply-adds: what each kind computes, not timed
+        macs[kind] = _macs(call)
     return {kind: (statistics.median(samples), macs[kind]) for kind, samples in timed.items()}
 
 
