@@ -169,6 +169,30 @@ def test_a_new_run_a_rerun_and_a_new_size_start_afresh():
     assert patch.method_patch.kept_bytes() > 0
 
 
+
+def test_other_weights_loaded_into_the_patched_unet_start_afresh_when_told():
+    """A host that loads other weights into the patched modules mid-run (A1111's refiner of the same config)
+    calls ``start_afresh``: the next call, a reused one by the schedule (full steps 0, 1, 3), runs whole with
+    the new weights; without it, the old weights' changes would be applied."""
+    refiner = tiny_unet("sd1", seed=5)
+    xs, ts, c = _trajectory()
+
+    def third_step(told: bool) -> torch.Tensor:
+        unet = tiny_unet("sd1")
+        tome_core.apply_patch(unet, method="cache")
+        for i in range(2):
+            tome_core.set_progress(unet, (i + 0.5) / STEPS)
+            run(unet, xs[i], ts[i], c)
+        unet.load_state_dict(refiner.state_dict())
+        if told:
+            tome_core.start_afresh(unet)
+        tome_core.set_progress(unet, 2.5 / STEPS)
+        return run(unet, xs[2], ts[2], c)
+
+    assert torch.equal(third_step(told=True), run(refiner, xs[2], ts[2], c))
+    assert not torch.allclose(third_step(told=False), run(refiner, xs[2], ts[2], c), atol=1e-4)
+    tome_core.start_afresh(tiny_unet("sd1"))  # a model without the patch: nothing to forget
+
 def test_an_interrupted_run_leaves_nothing_for_the_next():
     unet = tiny_unet("sd1")
     xs, ts, c = _trajectory()

@@ -147,3 +147,25 @@ def test_a_cache_job_with_the_refiner_keeps_each_models_changes_apart_and_repeat
                                               step_end=0.5), **job).images[0]
     assert not torch.equal(base_only, first.images[0])  # the refiner's steps reuse too
     assert_unpatched(other)
+
+
+
+def test_a_cache_job_with_a_refiner_sharing_the_base_config_forgets_the_base_weights_changes(fresh):
+    """A1111 loads such a refiner's weights into the base model's modules, so the patch stays; what it kept was
+    made by the base weights, and the refiner's first call (a reused one by the schedule: calls 0 and 2 run
+    whole, 1 and 3 reuse) must run whole with its own. (Forge builds a model object for every checkpoint, whose
+    own patch starts empty.)"""
+    other = refiner(fresh, own_config=False)
+    job = dict(seed=3, steps=4, refiner_checkpoint="refiner.safetensors", refiner_switch_at=0.25)
+    cache = fresh.tome_args(enabled=True, method="Cache", cache_warmup=1, cache_interval=2)
+    seen = []  # before each call: the weights' checkpoint, and how many changes the model's patch holds
+    for model in (fresh.model, other):
+        model.observers.append(lambda model, *_: seen.append(
+            (model.sd_checkpoint_info.title, len(tome_core.get_patch(model.unet).method_patch.kept))))
+    first = fresh.txt2img(cache, **job)
+    assert [title for title, _ in seen] == ["tiny.safetensors"] + ["refiner.safetensors"] * 3
+    kept = [count for _, count in seen]
+    assert kept[0] == 0 and kept[1] == 0 and kept[2] > 0
+    assert torch.equal(fresh.txt2img(cache, **job).images[0], first.images[0])
+    assert_unpatched(fresh.model)
+    assert_unpatched(other)

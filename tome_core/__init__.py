@@ -16,11 +16,12 @@ from .merge import MergePlan, downsample_tokens, plan_merge
 from .methods import METHODS, Method, method_named
 from .options import MergeOptions, effective_ratio, ratio_cap
 from .patch import (PatchedBlock, apply_patch, get_patch, is_patched, patched_blocks, remove_patch, resolve_unet,
-                    set_progress)
+                    set_progress, start_afresh)
 
 __all__ = [
     "LocalPlan", "METHODS", "MergeOptions", "MergePlan", "Method", "PatchedBlock", "StackPlan", "apply_patch",
     "downsample_tokens", "effective_ratio", "get_patch", "is_patched", "method_named", "patched_blocks", "plan_local",
     "plan_merge", "plan_stack", "ratio_cap", "remove_patch", "resolve_unet", "set_progress",
+    "start_afresh",
 ]
 __version__ = "1.0.0"

@@ -303,6 +303,18 @@ def is_patched(model: Any) -> bool:
     return get_patch(model) is not None
 
 
+def start_afresh(model: Any) -> None:
+    """Forget what the patch keeps from earlier calls (Cache's kept changes), so that its next call runs whole.
+
+    For a host that loads other weights into the patched modules within a run (the A1111 WebUI's refiner when
+    it shares the base model's config): a change made by the old weights must not be applied with the new.
+    A new run, image size or patch starts afresh without it. A model without our patch ignores it.
+    """
+    patch = get_patch(model)
+    if patch is not None:
+        patch.method_patch.start_afresh()
+
+
 def set_progress(model: Any, progress: float | None) -> None:
     """Tell the patch how far sampling is (0 = first step, 1 = last); None = unknown (always act).
 

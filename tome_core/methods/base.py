@@ -102,6 +102,9 @@ class MethodPatch:
     def begin_call(self, args: tuple, kwargs: dict) -> None:
         """A new U-Net call begins (``args``/``kwargs``: its arguments)."""
 
+    def start_afresh(self) -> None:
+        """Forget what was kept from earlier calls: the weights under the patch changed."""
+
     def uninstall(self) -> None:
         """Take back what ``install`` set beyond the hooks, and forget everything kept between calls."""
 

@@ -169,6 +169,9 @@ class CachePatch(MethodPatch):
         else:
             self.full_calls += 1
 
+    def start_afresh(self) -> None:
+        self.kept.clear()  # each stack's next call runs whole: nothing fits it
+
     def kept_bytes(self) -> int:
         """Memory the kept changes take now (per call slot, one tensor per selected stack)."""
         return sum(k.change.numel() * k.change.element_size() for k in self.kept.values())

@@ -25,6 +25,10 @@ class CheckpointInfo:
     model: Any = field(default=None, repr=False)
 
     @property
+    def filename(self) -> str:
+        return f"models/Stable-diffusion/{self.title}"
+
+    @property
     def short_title(self) -> str:
         return self.title.rsplit(".", 1)[0]
 
