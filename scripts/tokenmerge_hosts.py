@@ -137,6 +137,13 @@ class Host:
         other never did."""
         return None
 
+    def loaded_weights(self, model: Any) -> Any:
+        """What tells the weights in ``model``'s modules apart: it changes when the webui loads other weights
+        into the same modules mid-pass (a refiner sharing the base model's config), so that what the patch
+        kept from the old ones is forgotten. The checkpoint's file here."""
+        info = getattr(model, "sd_checkpoint_info", None)
+        return getattr(info, "filename", info)
+
     def is_hires_pass(self, p: Any) -> bool:
         """Where ``calls_pass_hooks`` is False: whether the pass under way is the hires-fix pass."""
         return bool(getattr(p, "is_hr_pass", False))
@@ -208,6 +215,13 @@ class Forge(A1111):
         patcher = getattr(getattr(model, "forge_objects", None), "unet", None)
         unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
         return unet if isinstance(unet, nn.Module) else None
+
+    def loaded_weights(self, model: Any) -> Any:
+        # Forge Neo's refiner with 'Reload "state_dict" only' (refiner_fast_sd) loads the refiner's weights into
+        # the base model's U-Net and leaves sd_checkpoint_info as it was; the base checkpoint's file waits in
+        # sd_samplers_common.ORIGINAL_CHECKPOINT meanwhile (None otherwise, and in Forge, which has no such name).
+        common = sys.modules.get("modules.sd_samplers_common")
+        return super().loaded_weights(model), getattr(common, "ORIGINAL_CHECKPOINT", None)
 
 
 class ForgeClassicFamily(Forge):

@@ -166,12 +166,6 @@ def note_once(p: Any, message: str) -> None:
         print(f"{LOG_PREFIX} {message}")
 
 
-def checkpoint_of(model: Any) -> Any:
-    """The file the model's weights were loaded from (its ``sd_checkpoint_info``), or None."""
-    info = getattr(model, "sd_checkpoint_info", None)
-    return getattr(info, "filename", info)
-
-
 class SamplingPass:
     """The ToMe side of one sampling pass: its engine options and the model they were applied to. The webui
     can switch to another model object during the pass (the refiner, when its config differs from the base
@@ -182,7 +176,7 @@ class SamplingPass:
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
         self.model: Any = None
-        self.weights: Any = None  # the checkpoint the model's weights came from, where the host says
+        self.weights: Any = None  # what tells the model's weights apart (Host.loaded_weights)
         self.engine_refused = False
         self.hypertile_set_aside = 0  # Hypertile layers turned off while ToMe merges them
 
@@ -190,7 +184,7 @@ class SamplingPass:
         """Patch the current model's U-Net (and restore any other); None, or what to tell the user about why
         the model runs without ToMe."""
         self.model = shared.sd_model
-        self.weights = checkpoint_of(self.model)
+        self.weights = current_host().loaded_weights(self.model)
         unet, reason = current_unet()
         if reason:
             JOB.remove_all_patches()
@@ -214,7 +208,7 @@ class SamplingPass:
     def follow_model(self, p: Any) -> None:
         """Called before every model evaluation: patch a model switched in since the last one."""
         if shared.sd_model is self.model:
-            weights = checkpoint_of(self.model)
+            weights = current_host().loaded_weights(self.model)
             if weights != self.weights:  # other weights in the patched modules: nothing kept fits them
                 self.weights = weights
                 for unet in JOB.patched_unets():

@@ -4,6 +4,8 @@ models after the job, and say in the infotext when the refiner could not be merg
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -169,3 +171,23 @@ def test_a_cache_job_with_a_refiner_sharing_the_base_config_forgets_the_base_wei
     assert torch.equal(fresh.txt2img(cache, **job).images[0], first.images[0])
     assert_unpatched(fresh.model)
     assert_unpatched(other)
+
+
+def test_forge_neos_refiner_loaded_into_the_base_modules_tells_other_weights(fresh, monkeypatch):
+    """Forge Neo's 'Reload "state_dict" only' refiner (``refiner_fast_sd``) loads the refiner's weights into the
+    base model's U-Net, leaves ``sd_checkpoint_info`` as it was and notes the base checkpoint's file in
+    ``modules.sd_samplers_common.ORIGINAL_CHECKPOINT`` until the job ends: the weights it tells apart change
+    then (and the glue forgets what the patch kept, as for A1111's refiner above)."""
+    import types
+
+    import scripts.tokenmerge_hosts as hosts
+
+    common = types.SimpleNamespace(ORIGINAL_CHECKPOINT=None)
+    monkeypatch.setitem(sys.modules, "modules.sd_samplers_common", common)
+    entry = hosts.host_of(fresh.model)
+    before = entry.loaded_weights(fresh.model)
+    common.ORIGINAL_CHECKPOINT = "models/Stable-diffusion/tiny.safetensors"
+    refined = entry.loaded_weights(fresh.model)
+    common.ORIGINAL_CHECKPOINT = None
+    assert entry.loaded_weights(fresh.model) == before
+    assert (refined != before) == (fresh.processing == "forge")  # A1111's refiner always changes the checkpoint
