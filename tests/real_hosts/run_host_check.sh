@@ -16,18 +16,29 @@ D=$HERE/hosts/$HOST
 . "$D/env.sh"
 CHECK=webui_harness_check.py FLAGS=()
 case $HOST in
-  a1111)         URL=$A1111_URL    RUN=$A1111_RUN    LOG=$A1111_RUN/a1111.log ;;
-  forge)         URL=$FORGE_URL    RUN=$FORGE_RUN    LOG=$FORGE_RUN/forge.log                  FLAGS=(--forge) ;;
-  reforge)       URL=$REFORGE_URL  RUN=$REFORGE_RUN  LOG=$REFORGE_RUN/reforge.log              FLAGS=(--forge) ;;
-  forge-classic) URL=$FCLASSIC_URL RUN=$FCLASSIC_RUN LOG=$FCLASSIC_RUN/forge-classic.log       FLAGS=(--forge) ;;
-  forge-neo)     URL=$NEO_URL      RUN=$NEO_RUN      LOG=$NEO_RUN/forge-neo.log                FLAGS=(--forge) ;;
-  sdnext)        URL=$SDNEXT_URL   RUN=$SDNEXT_RUN   LOG=$SDNEXT_RUN/sdnext.log  CHECK=sdnext_harness_check.py ;;
+  a1111)         URL=$A1111_URL    RUN=$A1111_RUN    LOG=$A1111_RUN/a1111.log             CKPTS=$A1111_MODELS ;;
+  forge)         URL=$FORGE_URL    RUN=$FORGE_RUN    LOG=$FORGE_RUN/forge.log             CKPTS=$FORGE_MODELS FLAGS=(--forge) ;;
+  reforge)       URL=$REFORGE_URL  RUN=$REFORGE_RUN  LOG=$REFORGE_RUN/reforge.log         CKPTS=$REFORGE_MODELS FLAGS=(--forge) ;;
+  forge-classic) URL=$FCLASSIC_URL RUN=$FCLASSIC_RUN LOG=$FCLASSIC_RUN/forge-classic.log  CKPTS=$FCLASSIC_MODELS FLAGS=(--forge) ;;
+  forge-neo)     URL=$NEO_URL      RUN=$NEO_RUN      LOG=$NEO_RUN/forge-neo.log           CKPTS=$NEO_MODELS FLAGS=(--forge) ;;
+  sdnext)        URL=$SDNEXT_URL   RUN=$SDNEXT_RUN   LOG=$SDNEXT_RUN/sdnext.log  CKPTS= CHECK=sdnext_harness_check.py ;;
   *) echo "unknown host $HOST"; exit 2 ;;
 esac
 
 T0=$(date +%s)
 if [ "$SETUP" = 1 ]; then "$D/setup.sh"; fi
 T_SETUP=$(( $(date +%s) - T0 ))
+# The refiner check's second checkpoint: the same file under another name (a hard link, with its config beside
+# it), so a refiner job switches checkpoints and loads the same weights.
+if [ -n "$CKPTS" ]; then
+  for f in "$CKPTS"/Stable-diffusion/*.safetensors; do
+    case $f in *-refiner.safetensors) continue ;; esac
+    base=${f%.safetensors}
+    [ -e "$base-refiner.safetensors" ] || ln "$f" "$base-refiner.safetensors"
+    if [ -f "$base.yaml" ] && [ ! -e "$base-refiner.yaml" ]; then ln "$base.yaml" "$base-refiner.yaml"; fi
+    break
+  done
+fi
 "$D/link_extension.sh" "$ROOT" sd-webui-tokenmerge
 "$D/link_extension.sh" "$HERE/unet-failer" unet-failer
 "$D/stop.sh"              # a server started before the links were made has not loaded them

@@ -162,6 +162,23 @@ def check_hires(s: Server, plain: dict, hires: dict) -> None:
     no_hires = s.generate(tome=[{"enabled": True, "hr_only": True}])
     check("hires fix only without hires", no_hires["md5"] == plain["md5"] and len(no_hires["lines"]) == 1,
           describe(no_hires))
+    check_cache_hires(s, hires)
+
+
+def check_cache_hires(s: Server, hires: dict) -> None:
+    """Cache with hires fix: a hires pass of 4 steps at denoising 0.5 (the schedule reuses on its 2nd and 4th),
+    on both passes and on the hires pass only (whose pixels differ from plain hires only if it reused there,
+    starting afresh from the first pass's run at another size), the same pixels again."""
+    hires = dict(hires, hr_second_pass_steps=8)
+    plain = s.generate(**hires)
+    both = s.generate(tome=[CACHE], **hires)
+    again = s.generate(tome=[CACHE], **hires)
+    only = s.generate(tome=[{**CACHE, "hr_only": True}], **hires)
+    check("hires with Cache on both passes", both["md5"] not in (None, plain["md5"]) and both["lines"] == []
+          and both["keys"] == CACHE_KEYS, describe(both))
+    check("hires with Cache again: the same pixels", again["md5"] == both["md5"], describe(again))
+    check("Cache on the hires pass only: it reuses there", only["md5"] not in (None, plain["md5"], both["md5"])
+          and only["keys"] == {**CACHE_KEYS, "ToMe hires only": "True"}, describe(only))
 
 
 def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:

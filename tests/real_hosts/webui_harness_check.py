@@ -20,8 +20,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sdnext_harness_check import (Server, check, check_basics, check_failure_and_img2img,  # noqa: E402
-                                  check_hires, describe, failures, tome_keys, WEIGHTED)
+from sdnext_harness_check import (CACHE, CACHE_KEYS, Server, WEIGHTED, check, check_basics,  # noqa: E402
+                                  check_failure_and_img2img, check_hires, describe, failures, tome_keys)
 
 HIRES = dict(enable_hr=True, hr_scale=2.0, hr_upscaler="Latent", hr_second_pass_steps=2, denoising_strength=0.5)
 XYZ = "x/y/z plot"
@@ -84,6 +84,38 @@ def check_hypertile(s: Server) -> None:
     check("Hypertile alone after: the same tiled pixels", again["md5"] == tiled["md5"], describe(again))
 
 
+def check_refiner(s: Server, plain: dict) -> None:
+    """The refiner, switched in at the job's 2nd step of 4 (by steps where the host lets one choose): a second
+    checkpoint of the same weights (``run_host_check.sh`` links one), so the plain refiner job has the plain
+    pixels. With Cache, the 2nd step is a reused one by the schedule; on the refiner it must run whole (the
+    base model's kept changes dropped: A1111 loads the refiner into the same modules, Forge builds a new
+    model), so the pixels differ from Cache's alone although the weights are the same."""
+    status, models = s.call("/sdapi/v1/sd-models")
+    titles = [m.get("title", "") for m in models] if status == 200 and isinstance(models, list) else []
+    status, options = s.call("/sdapi/v1/options")
+    options = options if status == 200 and isinstance(options, dict) else {}
+    loaded = options.get("sd_model_checkpoint") or ""
+    refiner = next((t for t in titles if t and not (t.startswith(loaded) or loaded.startswith(t))), None)
+    check("a second checkpoint for the refiner", bool(loaded) and refiner is not None,
+          f"loaded {loaded!r}, refiner {refiner!r} of {titles}")
+    if refiner is None:
+        return
+    by_steps = {"refiner_use_steps": True} if "refiner_use_steps" in options else {}
+    job = dict(refiner_checkpoint=refiner, refiner_switch_at=0.2, override_settings=by_steps)
+    cache = s.generate(tome=[CACHE], override_settings=by_steps)
+    refined = s.generate(**job)
+    check("refiner of the same weights: the plain pixels", refined["md5"] == plain["md5"]
+          and "Refiner: " in refined["info"], describe(refined))
+    refined_cache = s.generate(tome=[CACHE], **job)
+    check("Cache with the refiner: its first refiner step runs whole", refined_cache["md5"] not in
+          (None, plain["md5"], cache["md5"]) and refined_cache["keys"] == CACHE_KEYS
+          and "Refiner: " in refined_cache["info"], describe(refined_cache))
+    again = s.generate(tome=[CACHE], **job)
+    check("Cache with the refiner again: the same pixels", again["md5"] == refined_cache["md5"], describe(again))
+    after = s.generate(tome=[CACHE], override_settings=by_steps)
+    check("Cache after the refiner jobs: Cache's own pixels", after["md5"] == cache["md5"], describe(after))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=os.environ.get("A1111_URL", "http://127.0.0.1:7861"))
@@ -108,6 +140,7 @@ def main() -> int:
     check("odd size 136x72 runs", odd["status"] == 200 and odd["md5"] is not None, describe(odd))
 
     check_failure_and_img2img(s, plain, tome)
+    check_refiner(s, plain)
 
     # 0.5 second: reForge's grid gives its first cell other pixels than the same job alone, ToMe or not (a
     # Steps "4,4" grid without ToMe: the first cell differs from the plain image, the second equals it).

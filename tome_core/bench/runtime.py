@@ -59,8 +59,8 @@ def _macs(call) -> int:
 
 def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, cache: dict | None = None,
             device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32, others: bool = True
-            ) -> dict[str, tuple[float, int]]:
-    """Seconds (median of ``rounds``) and multiply-adds of one call of each kind: "none", Cache's "full" and
+            ) -> dict[str, tuple[list[float], int]]:
+    """Seconds (one a round, in round order) and multiply-adds of one call of each kind: "none", Cache's "full" and
     "reused" calls (``cache``: its options beyond the method), and (with ``others``) each of ``OTHERS``. The
     kinds are timed in interleaved rounds (each round times every kind once, after a round that warms them
     up), so a machine that slows down or speeds up during the run moves every kind alike."""
@@ -100,28 +100,39 @@ def measure(arch: str, size: int, batch: int, rounds: int, width: float = 1.0, c
                 timed.setdefault(kind, []).append(seconds)
     for kind in each_kind():  # multiply-adds: what each kind computes, not timed
         macs[kind] = _macs(call)
-    return {kind: (statistics.median(samples), macs[kind]) for kind, samples in timed.items()}
+    return {kind: (samples, macs[kind]) for kind, samples in timed.items()}
 
 
-def table(arch: str, size: int, batch: int, per_call: dict[str, tuple[float, int]], steps: list[int],
+def _speedups(none_runs: list[float], runs: list[float]) -> str:
+    """"1.83x (1.80–1.86)": the median of the rounds' speed-ups and, over several rounds, their range. Each
+    round times every kind once, so a round's run times are compared with each other."""
+    ups = sorted(n / r for n, r in zip(none_runs, runs))
+    median = statistics.median(ups)
+    return f"{median:.2f}x" if len(ups) == 1 else f"{median:.2f}x ({ups[0]:.2f}–{ups[-1]:.2f})"
+
+
+def table(arch: str, size: int, batch: int, per_call: dict[str, tuple[list[float], int]], steps: list[int],
           cache: dict | None = None) -> str:
-    """Markdown: for each run length, each method's run time, its speed-up over no merging, its multiply-adds
-    against none's, and (Cache) its calls by kind."""
+    """Markdown: for each run length, each method's run time (median of the rounds), its speed-up over no
+    merging (median and range of the rounds'), its multiply-adds against none's, and (Cache) its calls by kind."""
     cache = {"method": "cache", **(cache or {})}
     none_s, none_macs = per_call["none"]
     lines = [f"{arch}, {size} px, batch {batch}: a whole run, every U-Net call counted", "",
-             "| steps | method | calls (full + reused) | run s | speed-up | MACs vs none |",
+             "| steps | method | calls (full + reused) | run s | speed-up (range) | MACs vs none |",
              "|--:|---|---|--:|--:|--:|"]
     for n in steps:
-        lines.append(f"| {n} | none | {n} | {n * none_s:.1f} | 1.00x | 1.00 |")
+        none_runs = [n * s for s in none_s]
+        lines.append(f"| {n} | none | {n} | {statistics.median(none_runs):.1f} | 1.00x | 1.00 |")
         full, reused = call_counts(n, cache)
-        run_s = full * per_call["Cache full"][0] + reused * per_call["Cache reused"][0]
+        runs = [full * f + reused * r for f, r in zip(per_call["Cache full"][0], per_call["Cache reused"][0])]
         run_macs = full * per_call["Cache full"][1] + reused * per_call["Cache reused"][1]
-        lines.append(f"| {n} | Cache | {full} + {reused} | {run_s:.1f} | {n * none_s / run_s:.2f}x | "
-                     f"{run_macs / (n * none_macs):.2f} |")
+        lines.append(f"| {n} | Cache | {full} + {reused} | {statistics.median(runs):.1f} | "
+                     f"{_speedups(none_runs, runs)} | {run_macs / (n * none_macs):.2f} |")
         for name in [n for n in OTHERS if n in per_call]:
-            s, macs = per_call[name]
-            lines.append(f"| {n} | {name} | {n} | {n * s:.1f} | {none_s / s:.2f}x | {macs / none_macs:.2f} |")
+            seconds, macs = per_call[name]
+            runs = [n * s for s in seconds]
+            lines.append(f"| {n} | {name} | {n} | {statistics.median(runs):.1f} | {_speedups(none_runs, runs)} | "
+                         f"{macs / none_macs:.2f} |")
     return "\n".join(lines)
 
 
@@ -142,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     archs.use_webui_unet()  # the webui's SDP attention, as every other timing here runs
     print(f"# {' '.join(['python -m tome_core.bench.runtime'] + (argv if argv is not None else sys.argv[1:]))}")
     print(f"# CPU, {torch.get_num_threads()} threads, float32, SDP attention, random weights (speed only), "
-          f"{args.rounds} rounds (median); Cache at its defaults")
+          f"{args.rounds} interleaved rounds (run s: median; speed-up: median and range of the rounds'); "
+          "Cache at its defaults")
     for arch in args.models:
         for size in args.sizes:
             per_call = measure(arch, size, args.batch, args.rounds, args.width, others=args.others)
