@@ -27,6 +27,16 @@ def test_one_line_per_proxy_and_sampler_with_each_contenders_psnr(capsys):
     assert all(re.fullmatch(r"\| seed \d \| (Euler|Euler a) \|( [\d.]+ \[[\d.]+–[\d.]+\] \|){2}", r) for r in rows)
 
 
+def test_proxy_weights_of_ones_choosing_are_measured_instead_of_the_shipped_ones(capsys):
+    from tome_core.bench import proxy
+
+    weights = proxy.SHIPPED_WEIGHTS[1]
+    assert samplers.main(["--layout", "sd15", "--proxy", weights, "--samplers", "euler", "--contenders", "todo",
+                          "--steps", "3", "--images", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| seed")]
+    assert len(rows) == 1 and rows[0].startswith("| seed 1 | Euler |")
+
+
 def test_ancestral_noise_repeats_and_no_patch_gives_the_unmerged_picture():
     _, pipe = load_proxies(torch.device("cpu"), torch.float32)[0]
     noise = noise_for(pipe, pipe.size, 1, 0)

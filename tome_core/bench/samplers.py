@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
     ap.add_argument("--noise-seed", type=int, default=7, help="Euler a's fresh noise's seed (default 7)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--proxy", nargs="+", metavar="WEIGHTS", default=None,
+                    help="proxy weights files (default: every shipped proxy of the layout), e.g. one trained "
+                         "from another seed with python -m tome_core.bench.proxy train")
     ap.add_argument("--step-figures", action="store_true",
                     help="also the one-step figures (every step alike, and weighted by each step's move of the "
                          "sample) along the unmerged Euler run")
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    pipes = load_proxies(torch.device("cpu"), torch.float32, layouts=(args.layout,)) or []
+    pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
     print(f"# {' '.join(['python -m tome_core.bench.samplers'] + (argv if argv is not None else sys.argv[1:]))}")
     print(f"# final PSNR dB against the unmerged pictures, median [range] over {args.images} images, "
           f"{args.steps} steps; each proxy at its evaluation size")
