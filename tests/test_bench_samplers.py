@@ -69,7 +69,18 @@ def test_the_weighted_one_step_figure_weighs_each_step_by_its_move_of_the_sample
 def test_step_figures_are_printed_beside_the_final_pictures(capsys):
     assert samplers.main(["--layout", "sd15", "--samplers", "euler", "--contenders", "todo", "cache", "--steps", "4",
                           "--images", "1", "--step-figures"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| seed")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| seed")]
     assert len(rows) == 3 * 3
     assert sum("weighted by the sample's move" in r for r in rows) == 3
     assert all(re.fullmatch(r"\| seed \d \| [^|]+ \|( [\d.]+ \[[\d.]+–[\d.]+\] \|){2}", r) for r in rows)
+    agreement = [line for line in out.splitlines() if line.startswith("- seed")]
+    assert len(agreement) == 3 and all(re.fullmatch(r"- seed \d: one step, every step alike [01] of 1, one step, "
+                                                    r"weighted by the sample's move [01] of 1", a) for a in agreement)
+
+
+def test_pairs_in_order_counts_the_pairs_a_figure_orders_as_the_pictures():
+    # Pictures 40 > 30 > 20 (and a tie 30 = 30, not counted); the figure swaps the first two: 4 of 5 pairs.
+    assert samplers.pairs_in_order([40, 30, 20, 30], [5, 6, 1, 2]) == (4, 5)
+    assert samplers.pairs_in_order([1, 2], [1, 2]) == (1, 1)
+    assert samplers.pairs_in_order([1, 1], [3, 2]) == (0, 0)

@@ -31,7 +31,24 @@ CONTENDERS = {
     "cache": ("Cache (defaults)", dict(method="cache")),
     "cache-levels4": ("Cache levels 4", dict(method="cache", max_downsample=4)),
     **{f"cache{n}": (f"Cache longest gap {n}", dict(method="cache", cache_interval=n)) for n in range(2, 11)},
+    # The main benchmark's settings at their "auto" levels, to rank them as each figure does.
+    **{f"tome{int(r * 100)}": (f"ToMe {r}", dict(method="tome", ratio=r)) for r in (0.25, 0.5, 0.75)},
+    **{f"local{int(r * 100)}": (f"Local {r}", dict(method="local", ratio=r)) for r in (0.25, 0.5, 0.75)},
+    **{f"todo-f{f}": (f"ToDo f={f}", dict(method="todo", todo_factor=f)) for f in (2, 3, 4)},
 }
+
+
+def pairs_in_order(final: list[float], figure: list[float]) -> tuple[int, int]:
+    """Of the pairs of contenders whose final pictures differ (by their medians), how many a figure puts in
+    the same order, and how many there are."""
+    same = total = 0
+    for i in range(len(final)):
+        for j in range(i + 1, len(final)):
+            if final[i] == final[j]:
+                continue
+            total += 1
+            same += (figure[i] - figure[j]) * (final[i] - final[j]) > 0
+    return same, total
 
 
 def final_pictures(pipe, noise: torch.Tensor, steps: int, sampler: str, noise_seed: int,
@@ -65,6 +82,13 @@ def one_step_figures(pipe, trajectory: Trajectory, options: dict) -> tuple[list[
     args = (trajectory.denoised, torch.stack(estimates), trajectory.inputs, trajectory.sigmas)
     return ([to_db(float(v)) for v in relative_error(*args)],
             [to_db(float(v)) for v in weighted_relative_error(*args)])
+
+
+STEP_FIGURES = ("one step, every step alike", "one step, weighted by the sample's move")
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def _cell(values: list[float]) -> str:
@@ -104,19 +128,32 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
           f"{args.steps} steps; each proxy at its evaluation size")
     names = [CONTENDERS[c][0] for c in args.contenders]
     print("\n| proxy | sampler | " + " | ".join(names) + " |\n|---|---|" + "--:|" * len(names))
+    agreement = []  # per proxy: how each one-step figure orders the contenders against the Euler pictures
     for label, pipe in pipes:
         noise = noise_for(pipe, pipe.size, args.images, args.seed)
+        euler_final = None
         for sampler in args.samplers:
             reference = final_pictures(pipe, noise, args.steps, sampler, args.noise_seed, None)
-            cells = [_cell(psnr_each(final_pictures(pipe, noise, args.steps, sampler, args.noise_seed,
-                                                    CONTENDERS[key][1]), reference)) for key in args.contenders]
-            print(f"| {label} | {SAMPLER_LABELS[sampler]} | " + " | ".join(cells) + " |", flush=True)
+            each = [psnr_each(final_pictures(pipe, noise, args.steps, sampler, args.noise_seed, CONTENDERS[key][1]),
+                              reference) for key in args.contenders]
+            if sampler == "euler":
+                euler_final = [_median(values) for values in each]
+            print(f"| {label} | {SAMPLER_LABELS[sampler]} | " + " | ".join(map(_cell, each)) + " |", flush=True)
         if args.step_figures:
             trajectory, _ = reference_trajectory(pipe, noise, args.steps)
             figures = [one_step_figures(pipe, trajectory, CONTENDERS[key][1]) for key in args.contenders]
-            for name, figure in zip(("one step, every step alike", "one step, weighted by the sample's move"),
-                                    zip(*figures)):
+            counts = []
+            for name, figure in zip(STEP_FIGURES, zip(*figures)):
                 print(f"| {label} | {name} (Euler) | " + " | ".join(_cell(v) for v in figure) + " |", flush=True)
+                if euler_final is not None:
+                    counts.append(pairs_in_order(euler_final, [_median(v) for v in figure]))
+            if counts:
+                agreement.append(f"{label}: " + ", ".join(f"{name} {same} of {total}" for name, (same, total)
+                                                          in zip(STEP_FIGURES, counts)))
+    if agreement:
+        print("\nPairs of contenders each one-step figure puts in the order of their final Euler pictures:")
+        for line in agreement:
+            print(f"- {line}")
     return 0
 
 
