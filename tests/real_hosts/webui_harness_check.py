@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -84,6 +85,12 @@ def check_hypertile(s: Server) -> None:
     check("Hypertile alone after: the same tiled pixels", again["md5"] == tiled["md5"], describe(again))
 
 
+def checkpoint_name(title: str) -> str:
+    """A checkpoint's name without its hash and file extension: "random-sd15.safetensors [abc123]" → "random-sd15"."""
+    name = re.sub(r"\s*\[[0-9a-fA-F]+\]$", "", title)
+    return os.path.splitext(name)[0] if name.endswith((".safetensors", ".ckpt")) else name
+
+
 def check_refiner(s: Server, plain: dict) -> None:
     """The refiner, switched in at the job's 2nd step of 4 (by steps where the host lets one choose): a second
     checkpoint of the same weights (``run_host_check.sh`` links one), so the plain refiner job has the plain
@@ -94,8 +101,10 @@ def check_refiner(s: Server, plain: dict) -> None:
     titles = [m.get("title", "") for m in models] if status == 200 and isinstance(models, list) else []
     status, options = s.call("/sdapi/v1/options")
     options = options if status == 200 and isinstance(options, dict) else {}
-    loaded = options.get("sd_model_checkpoint") or ""
-    refiner = next((t for t in titles if t and not (t.startswith(loaded) or loaded.startswith(t))), None)
+    # The loaded checkpoint: the setting (empty in reForge until one is chosen), else the plain image's "Model:".
+    named = re.search(r"(?:^|, )Model: ([^,]+)", plain["info"])
+    loaded = options.get("sd_model_checkpoint") or (named.group(1) if named else "")
+    refiner = next((t for t in titles if t and checkpoint_name(t) != checkpoint_name(loaded)), None)
     check("a second checkpoint for the refiner", bool(loaded) and refiner is not None,
           f"loaded {loaded!r}, refiner {refiner!r} of {titles}")
     if refiner is None:
