@@ -30,6 +30,9 @@ FAILER = "unet failer"  # always-on test script: args [true] make the U-Net rais
 # Cache at a schedule that reuses within the checks' 4 steps (steps 0, 1 and the last run whole, step 2 reuses).
 CACHE = {"enabled": True, "method": "Cache", "cache_warmup": 1, "cache_interval": 2}
 CACHE_KEYS = {"ToMe ratio": "0.5", "ToMe method": "Cache", "ToMe cache interval": "2", "ToMe cache warmup": "1"}
+# SD.Next runs the refiner only in a job with hires fix on (here at scale 1, no upscaler: the refiner pass alone).
+REFINER = dict(enable_hr=True, hr_scale=1.0, hr_upscaler="None", hr_second_pass_steps=0, hr_denoising_strength=0.5,
+               refiner_steps=4, refiner_start=0.5)
 HIRES = dict(enable_hr=True, hr_scale=2.0, hr_upscaler="Latent Bilinear", hr_resize_mode=1, hr_second_pass_steps=2,
              hr_denoising_strength=0.5)
 failures: list[str] = []
@@ -181,6 +184,34 @@ def check_cache_hires(s: Server, hires: dict) -> None:
           and only["keys"] == {**CACHE_KEYS, "ToMe hires only": "True"}, describe(only))
 
 
+def check_refiner(s: Server, plain: dict) -> None:
+    """SD.Next's refiner pass (a second pipeline loaded from the refiner setting, here the same model again, run
+    after the base steps as img2img): Cache and ToMe change the base pass's pixels, the same again, and plain
+    jobs with the refiner give the same pixels before and after them; plain without the refiner afterwards."""
+    _, options = s.call("/sdapi/v1/options")
+    s.call("/sdapi/v1/options", {"sd_model_refiner": options["sd_model_checkpoint"]})
+    try:
+        refined_plain = s.generate(**REFINER)
+        cache = s.generate(tome=[CACHE], **REFINER)
+        cache_again = s.generate(tome=[CACHE], **REFINER)
+        tome = s.generate(tome=[{"enabled": True, "ratio": 0.5}], **REFINER)
+        refined_after = s.generate(**REFINER)
+    finally:
+        s.call("/sdapi/v1/options", {"sd_model_refiner": "None"})
+    check("refiner plain", refined_plain["status"] == 200 and "Refiner steps: " in refined_plain["info"]
+          and refined_plain["md5"] != plain["md5"] and refined_plain["keys"] == {}, describe(refined_plain))
+    check("refiner with Cache: its own pixels and keys", cache["md5"] not in (None, refined_plain["md5"])
+          and cache["lines"] == [] and cache["keys"] == CACHE_KEYS and "Refiner steps: " in cache["info"],
+          describe(cache))
+    check("refiner with Cache again: the same pixels", cache_again["md5"] == cache["md5"], describe(cache_again))
+    check("refiner with ToMe 0.5", tome["md5"] not in (None, refined_plain["md5"], cache["md5"])
+          and tome["keys"] == {"ToMe ratio": "0.5", **WEIGHTED}, describe(tome))
+    check("refiner plain after them: the same pixels", refined_after["md5"] == refined_plain["md5"],
+          describe(refined_after))
+    after = s.generate()
+    check("plain without the refiner after it: the plain pixels", after["md5"] == plain["md5"], describe(after))
+
+
 def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:
     """A job whose U-Net raises (``FAILER``), then plain and ToMe pixels as before it; and img2img from the plain
     image, which ToMe changes."""
@@ -221,7 +252,7 @@ def main() -> int:
     plain, tome = check_basics(s)
 
     check_hires(s, plain, HIRES)
-
+    check_refiner(s, plain)
 
     # SD.Next's built-in token merging: a setting a job with the accordion sets aside, and back after it.
     s.call("/sdapi/v1/options", {"token_merging_method": "ToMe", "tome_ratio": 0.5})
