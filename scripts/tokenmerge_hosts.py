@@ -144,6 +144,12 @@ class Host:
         info = getattr(model, "sd_checkpoint_info", None)
         return getattr(info, "filename", info)
 
+    def unpatched_refiner(self, p: Any, unet: nn.Module | None) -> str | None:
+        """Why the refiner pass of job ``p`` will run a U-Net other than ``unet`` that the extension does not
+        patch (a line for the console), or None: no such refiner, or one the extension follows (the webuis
+        that switch models within a pass, ``SamplingPass.follow_model``)."""
+        return None
+
     def is_hires_pass(self, p: Any) -> bool:
         """Where ``calls_pass_hooks`` is False: whether the pass under way is the hires-fix pass."""
         return bool(getattr(p, "is_hr_pass", False))
@@ -289,6 +295,17 @@ class SDNext(Host):
         if getattr(compiled, "deepcache_worker", None) is None:
             return None
         return "SD.Next's DeepCache (Settings, Compute: model compile backend deep-cache)"
+
+    def unpatched_refiner(self, p: Any, unet: nn.Module | None) -> str | None:
+        """SD.Next's refiner (``shared.sd_refiner``, the "Refiner model" setting) is a pipeline of its own,
+        called after the base (and hires) steps when hires fix is on with refiner steps and a refiner start
+        inside (0, 1) (SD.Next's ``is_refiner_enabled``); no U-Net call of the base pipeline comes between."""
+        refiner = getattr(sys.modules.get("modules.shared"), "sd_refiner", None)
+        runs = (refiner is not None and bool(getattr(p, "enable_hr", False))
+                and (getattr(p, "refiner_steps", 0) or 0) > 0 and 0 < (getattr(p, "refiner_start", 0) or 0) < 1)
+        if not runs or self.unet(refiner) is unet:
+            return None
+        return "SD.Next runs its refiner as a pipeline of its own, which ToMe does not patch"
 
     def complete_pasted(self, infotext: str, params: dict, keys: Iterable[str]) -> None:
         """SD.Next's parser reads only keys of letters, digits, "_" and spaces, so "ToMe merge cross-attention"

@@ -372,6 +372,9 @@ class TokenMergeScript(scripts.Script):
         if not host.calls_pass_hooks:
             # No hook per sampling pass: patch now, and follow the passes from the U-Net's calls.
             JOB.end()
+            if settings.enabled and (refusal := host.unpatched_refiner(p, current_unet()[0])):
+                note_once(p, f"the refiner's steps run without ToMe ({refusal})")
+                p.extra_generation_params = {**p.extra_generation_params, tm.REFINER_INFOTEXT: "unmerged"}
             if settings.enabled:
                 JOB.pass_watches.append(UnetCallPasses(
                     host, p, current_unet()[0], model=lambda: shared.sd_model,

@@ -261,3 +261,44 @@ def test_a_cache_job_is_refused_in_one_line_beside_deepcache_and_other_methods_s
     assert tome_keys(job["info"]["infotexts"][0]) == {}
     assert torch.equal(image(fresh.txt2img([{"enabled": True, "ratio": 0.5}])), image(tome))
     fresh.assert_pristine()
+
+
+def test_the_refiner_pipeline_runs_unmerged_and_the_infotext_says_so(fresh, monkeypatch, capsys):
+    """SD.Next's refiner is a pipeline of its own, called after the base and hires passes: the base steps
+    merge, the refiner's U-Net is never patched, Cache's state never reaches it, and the image says so
+    (`ToMe refiner: unmerged`, as where the A1111 WebUI cannot patch a refiner)."""
+    import tome_core
+    from modules import shared
+    from sdnext_double.model import tiny_pipeline
+
+    refiner = tiny_pipeline()  # the same weights in modules of its own, as SD.Next loads a refiner
+    refiner_calls: list[bool] = []
+    hook = refiner.unet.register_forward_pre_hook(
+        lambda module, args: refiner_calls.append(tome_core.get_patch(module) is not None))
+    monkeypatch.setattr(shared, "sd_refiner", refiner)
+    with_refiner = dict(enable_hr=True, hr_scale=1.0, refiner_steps=2, refiner_start=0.5)
+    try:
+        no_refiner = fresh.txt2img(enable_hr=True, hr_scale=1.0)
+        plain = fresh.txt2img(**with_refiner)
+        assert refiner_calls == [False] and not torch.equal(image(plain), image(no_refiner))  # one refiner step ran
+        capsys.readouterr()
+        fresh.calls.clear()
+        tome = fresh.txt2img([{"enabled": True, "ratio": 0.5}], **with_refiner)
+        assert console_lines(capsys.readouterr().out) == [
+            "[ToMe] the refiner's steps run without ToMe (SD.Next runs its refiner as a pipeline of its own, which "
+            "ToMe does not patch)"]
+        assert len(fresh.calls) == 4 + 2 and all(call.merging for call in fresh.calls)  # base and hires passes
+        assert refiner_calls == [False, False] and not tome_core.is_patched(refiner.unet)
+        assert tome_keys(tome["info"]["infotexts"][0]) == {"ToMe ratio": 0.5, "ToMe size-weighted keys": "True",
+                                                           "ToMe refiner": "unmerged"}
+        cache_args = [{"enabled": True, "method": "Cache", "cache_warmup": 1, "cache_interval": 2}]
+        cache = fresh.txt2img(cache_args, **with_refiner)
+        assert not torch.equal(image(cache), image(plain))
+        assert torch.equal(image(fresh.txt2img(cache_args, **with_refiner)), image(cache))
+        assert refiner_calls[2:] == [False, False]
+        assert torch.equal(image(fresh.txt2img(**with_refiner)), image(plain))
+        # Without refiner steps no refiner runs, and the image claims nothing of it.
+        job = fresh.txt2img([{"enabled": True, "ratio": 0.5}], enable_hr=True, hr_scale=1.0, refiner_steps=0)
+        assert len(refiner_calls) == 5 and "ToMe refiner" not in tome_keys(job["info"]["infotexts"][0])
+    finally:
+        hook.remove()

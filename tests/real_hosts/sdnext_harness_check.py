@@ -31,6 +31,10 @@ FAILER = "unet failer"  # always-on test script: args [true] make the U-Net rais
 CACHE = {"enabled": True, "method": "Cache", "cache_warmup": 1, "cache_interval": 2}
 CACHE_KEYS = {"ToMe ratio": "0.5", "ToMe method": "Cache", "ToMe cache interval": "2", "ToMe cache warmup": "1"}
 # SD.Next runs the refiner only in a job with hires fix on (here at scale 1, no upscaler: the refiner pass alone).
+# ...and as a pipeline of its own, which the extension does not patch: a merged job says so once, and in its infotext.
+REFINER_LINE = ("[ToMe] the refiner's steps run without ToMe (SD.Next runs its refiner as a pipeline of its own, "
+                "which ToMe does not patch)")
+REFINER_KEYS = {"ToMe refiner": "unmerged"}
 REFINER = dict(enable_hr=True, hr_scale=1.0, hr_upscaler="None", hr_second_pass_steps=0, hr_denoising_strength=0.5,
                refiner_steps=4, refiner_start=0.5)
 HIRES = dict(enable_hr=True, hr_scale=2.0, hr_upscaler="Latent Bilinear", hr_resize_mode=1, hr_second_pass_steps=2,
@@ -186,8 +190,9 @@ def check_cache_hires(s: Server, hires: dict) -> None:
 
 def check_refiner(s: Server, plain: dict) -> None:
     """SD.Next's refiner pass (a second pipeline loaded from the refiner setting, here the same model again, run
-    after the base steps as img2img): Cache and ToMe change the base pass's pixels, the same again, and plain
-    jobs with the refiner give the same pixels before and after them; plain without the refiner afterwards."""
+    after the base steps as img2img): Cache and ToMe change the base pass's pixels, the same again, each saying
+    in one line and in its infotext that the refiner's steps are unmerged; plain jobs with the refiner give the
+    same pixels before and after them; plain without the refiner afterwards."""
     _, options = s.call("/sdapi/v1/options")
     s.call("/sdapi/v1/options", {"sd_model_refiner": options["sd_model_checkpoint"]})
     try:
@@ -201,11 +206,13 @@ def check_refiner(s: Server, plain: dict) -> None:
     check("refiner plain", refined_plain["status"] == 200 and "Refiner steps: " in refined_plain["info"]
           and refined_plain["md5"] != plain["md5"] and refined_plain["keys"] == {}, describe(refined_plain))
     check("refiner with Cache: its own pixels and keys", cache["md5"] not in (None, refined_plain["md5"])
-          and cache["lines"] == [] and cache["keys"] == CACHE_KEYS and "Refiner steps: " in cache["info"],
+          and cache["lines"] == [REFINER_LINE] and cache["keys"] == {**CACHE_KEYS, **REFINER_KEYS}
+          and "Refiner steps: " in cache["info"],
           describe(cache))
     check("refiner with Cache again: the same pixels", cache_again["md5"] == cache["md5"], describe(cache_again))
     check("refiner with ToMe 0.5", tome["md5"] not in (None, refined_plain["md5"], cache["md5"])
-          and tome["keys"] == {"ToMe ratio": "0.5", **WEIGHTED}, describe(tome))
+          and tome["lines"] == [REFINER_LINE] and tome["keys"] == {"ToMe ratio": "0.5", **WEIGHTED, **REFINER_KEYS},
+          describe(tome))
     check("refiner plain after them: the same pixels", refined_after["md5"] == refined_plain["md5"],
           describe(refined_after))
     after = s.generate()

@@ -16,7 +16,8 @@ class StableDiffusionProcessing:
                  hr_denoising_strength: float = 0.5, hidiffusion: bool = False,
                  token_merging_method: str | None = None, tome_ratio: float | None = None,
                  todo_ratio: float | None = None, init_images: list | None = None,
-                 denoising_strength: float = 0.5, **unknown: Any) -> None:
+                 denoising_strength: float = 0.5, refiner_steps: int = 5, refiner_start: float = 0.0,
+                 **unknown: Any) -> None:
         if unknown:
             raise TypeError(f"unknown fields {sorted(unknown)}")
         self.prompt, self.negative_prompt, self.seed, self.steps = prompt, negative_prompt, seed, steps
@@ -32,6 +33,7 @@ class StableDiffusionProcessing:
         self.token_merging_method, self.tome_ratio, self.todo_ratio = token_merging_method, tome_ratio, todo_ratio
         self.init_images = init_images
         self.denoising_strength = denoising_strength
+        self.refiner_steps, self.refiner_start = refiner_steps, refiner_start
         self.extra_generation_params: dict[str, Any] = {}
         self.per_script_args: dict[str, list] = {}
         self.scripts_value = None

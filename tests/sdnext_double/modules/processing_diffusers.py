@@ -1,8 +1,11 @@
-"""SD.Next's diffusers processing (modules/processing_diffusers.py): per pass ``process_pre`` (DeepCache's worker
-enabled where there is one, built-in token merging from the settings, then HiDiffusion, whose unapply resets ``_parent`` modules), the pipeline call,
-``process_post`` in a ``finally``. The hires pass runs the same U-Net through an img2img pipeline built from
-the same components; no Script hook runs between the passes. A RuntimeError or ValueError in a pass is
-logged and interrupts the job (its postprocess hooks are then skipped)."""
+"""SD.Next's diffusers processing (modules/processing_diffusers.py): per pass ``process_pre`` (DeepCache's
+worker enabled where there is one, built-in token merging from the settings, then HiDiffusion, whose unapply
+resets ``_parent`` modules), the pipeline call, ``process_post`` in a ``finally``. The hires pass runs the same
+U-Net through an img2img pipeline built from the same components; no Script hook runs between the passes. The
+refiner (``process_refine``) is the ``shared.sd_refiner`` pipeline of its own, called after them as img2img
+where hires fix is on with refiner steps and a refiner start inside (0, 1), with no per-pass modifiers and no
+Script hook. A RuntimeError or ValueError in a pass is logged and interrupts the job (its postprocess hooks are
+then skipped)."""
 
 from __future__ import annotations
 
@@ -75,6 +78,29 @@ def _run_pass(p, name: str, **pipe_args):
     return output
 
 
+def is_refiner_enabled(p) -> bool:
+    """``processing_helpers.is_refiner_enabled``."""
+    return (p.enable_hr and p.refiner_steps > 0 and 0 < p.refiner_start < 1
+            and shared.sd_refiner is not None)
+
+
+def _refine(p, latents):
+    """``process_refine``: the refiner pipeline as img2img over the base (or hires) latents, from the refiner
+    start on (SD 1.5's img2img pipeline takes it as a strength)."""
+    refiner = switch_pipeline(shared.sd_refiner, "img2img")
+    prompt_embeds, negative = _embeds(p)
+    try:
+        output = refiner(prompt_embeds=prompt_embeds, negative_prompt_embeds=negative, guidance_scale=p.cfg_scale,
+                         output_type="latent", generator=_generator(p), image=latents,
+                         strength=1 - p.refiner_start, num_inference_steps=p.refiner_steps)
+    except (RuntimeError, ValueError) as error:
+        shared.state.interrupted = True
+        shared.log(f"Processing step=refine: {error}")
+        errors.display(error, "Processing")
+        return None
+    return output.images
+
+
 def process_diffusers(p):
     from modules.processing import StableDiffusionProcessingImg2Img
 
@@ -102,6 +128,11 @@ def process_diffusers(p):
             shared.sd_model = orig_pipeline
             return []
         latents = output.images
+    if is_refiner_enabled(p):
+        latents = _refine(p, latents)
+        if latents is None:
+            shared.sd_model = orig_pipeline
+            return []
     vae = shared.sd_model.vae
     with torch.no_grad():
         decoded = vae.decode(latents / vae.config.scaling_factor).sample

@@ -1,4 +1,4 @@
-"""``shared.opts`` (settings with ``data`` and ``data_labels``), ``shared.state``, ``shared.sd_model``."""
+"""``shared.opts`` (settings with ``data`` and ``data_labels``), ``shared.state``, ``shared.sd_model``, ``shared.sd_refiner``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class State:
 opts = Options()
 state = State()
 sd_model: Any = None
+sd_refiner: Any = None  # the "Refiner model" setting's pipeline, loaded beside sd_model
 sd_model_type = "sd"
 cmd_opts = SimpleNamespace(experimental=False)
 log_lines: list[str] = []
