@@ -1,7 +1,7 @@
 """Checks the extension in a running real SD.Next over its HTTP API (not a pytest test: it needs the server).
 
 ``tests/real_hosts/run_host_check.sh sdnext`` sets SD.Next up, links this repository and
-``tests/real_hosts/unet-failer`` (``FAILER`` below, for the failure check) into it, starts it, runs this, and
+``tests/real_hosts/unet-failer`` (``FAILER`` below, for the failure and interrupt checks) into it, starts it, runs this, and
 stops it. By hand, with SD.Next started (``tests/real_hosts/hosts/sdnext/start.sh``)::
 
     python3 tests/real_hosts/sdnext_harness_check.py [--url http://127.0.0.1:7865] [--log .../run/sdnext.log]
@@ -27,6 +27,7 @@ import urllib.request
 import zlib
 
 FAILER = "unet failer"  # always-on test script: args [true] make the U-Net raise at its 2nd call of the job
+# (args [false, true]: press the host's Interrupt there instead)
 # Cache at a schedule that reuses within the checks' 4 steps (steps 0, 1 and the last run whole, step 2 reuses).
 CACHE = {"enabled": True, "method": "Cache", "cache_warmup": 1, "cache_interval": 2}
 CACHE_KEYS = {"ToMe ratio": "0.5", "ToMe method": "Cache", "ToMe cache interval": "2", "ToMe cache warmup": "1"}
@@ -220,8 +221,9 @@ def check_refiner(s: Server, plain: dict) -> None:
 
 
 def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:
-    """A job whose U-Net raises (``FAILER``), then plain and ToMe pixels as before it; and img2img from the plain
-    image, which ToMe changes."""
+    """A job whose U-Net raises (``FAILER``), then plain and ToMe pixels as before it; a Cache job that raises,
+    and one the host's Interrupt stops, then Cache's pixels as without them; and img2img from the plain image,
+    which ToMe changes."""
     start = s.log_size()
     failed = s.generate(tome=[{"enabled": True, "ratio": 0.5}], alwayson_scripts={FAILER: {"args": [True]}})
     time.sleep(2)  # the server may log the traceback after it has answered
@@ -239,6 +241,24 @@ def check_failure_and_img2img(s: Server, plain: dict, tome: dict) -> None:
     fresh = s.generate(tome=[CACHE])
     check("Cache after a failing Cache job: the pixels it had before", fresh["md5"] == cache["md5"]
           and fresh["keys"] == CACHE_KEYS, describe(fresh))
+    # Interrupted the host's own way (``FAILER`` presses Interrupt at the U-Net's 2nd call): the host stops the
+    # job early; the next Cache job of that seed makes the whole job's pixels, the next plain one plain pixels.
+    whole = s.generate(tome=[CACHE], seed=4321)
+    start = s.log_size()
+    interrupted = s.generate(tome=[CACHE], alwayson_scripts={FAILER: {"args": [False, True]}}, seed=4321)
+    time.sleep(1)
+    log = s.log_since(start)
+    # The A1111 WebUI and the Forge family decode the latent sampled so far: other pixels. SD.Next drops the job's
+    # latent, logs "Interrupted...", and answers with an image of an earlier job (here the whole job's).
+    check("interrupted Cache job: the host stopped it early", "Interrupt pressed" in log
+          and (interrupted["md5"] != whole["md5"] or "Interrupted..." in log),
+          f"{describe(interrupted)}; the whole job's md5 {whole['md5']}")
+    again = s.generate(tome=[CACHE], seed=4321)
+    check("Cache after an interrupted Cache job: the whole job's pixels", again["md5"] == whole["md5"] is not None
+          and again["keys"] == CACHE_KEYS, describe(again))
+    after_interrupt = s.generate()
+    check("plain after the interrupted job: the plain pixels", after_interrupt["md5"] == plain["md5"],
+          describe(after_interrupt))
 
     init = "data:image/png;base64," + base64.b64encode(plain["png"]).decode()
     i2i_plain = s.generate("img2img", init_images=[init], denoising_strength=0.6)

@@ -3,8 +3,8 @@ API (not a pytest test: it needs the server).
 
 ``tests/real_hosts/run_host_check.sh a1111`` (or ``forge``, ``forge-neo``, ``reforge``, ``forge-classic``) sets
 the host up, links this repository and ``tests/real_hosts/unet-failer`` (an always-on script, ``FAILER`` below:
-args [true] make the U-Net raise at its 2nd call of the job, for the failure check) into it, starts it, runs
-this, and stops it. By hand, with the host started (``tests/real_hosts/hosts/<host>/start.sh``)::
+args [true] make the U-Net raise at its 2nd call of the job, for the failure check; [false, true] press the
+host's Interrupt there) into it, starts it, runs this, and stops it. By hand, with the host started (``tests/real_hosts/hosts/<host>/start.sh``)::
 
     python3 tests/real_hosts/webui_harness_check.py [--forge] [--url http://127.0.0.1:7861] [--log .../run/a1111.log]
 

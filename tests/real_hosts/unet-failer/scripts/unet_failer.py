@@ -1,7 +1,9 @@
 """An always-on script for the real-host checks, installed in the host as an extension of its own
 (``tests/real_hosts/unet-failer``): with args [true] the U-Net raises "simulated failure" at its 2nd call of
-the job, so the checks can see that a failed job leaves no patch behind. Not part of the extension (the
-webui loads an extension's top-level ``scripts/`` only)."""
+the job, so the checks can see that a failed job leaves no patch behind; with args [false, true] its 2nd call
+presses the host's own Interrupt (``shared.state.interrupt()``, what the Interrupt button and
+``/sdapi/v1/interrupt`` call), so the host stops the job its own way. Not part of the extension (the webui
+loads an extension's top-level ``scripts/`` only)."""
 
 import gradio as gr
 from modules import scripts, shared
@@ -26,11 +28,11 @@ class UnetFailer(scripts.Script):
         return scripts.AlwaysVisible
 
     def ui(self, is_img2img):
-        return [gr.Checkbox(False, label="fail")]
+        return [gr.Checkbox(False, label="fail"), gr.Checkbox(False, label="interrupt")]
 
-    def process(self, p, fail=False):
+    def process(self, p, fail=False, interrupt=False):
         self.handle = None
-        if not fail:
+        if not (fail or interrupt):
             return
         calls = [0]
 
@@ -39,10 +41,13 @@ class UnetFailer(scripts.Script):
             if calls[0] == 2:
                 self.handle.remove()
                 self.handle = None
-                raise RuntimeError("unet failer: simulated failure at the U-Net's 2nd call of the job")
+                if fail:
+                    raise RuntimeError("unet failer: simulated failure at the U-Net's 2nd call of the job")
+                print("unet failer: Interrupt pressed at the U-Net's 2nd call of the job", flush=True)
+                shared.state.interrupt()
         self.handle = find_unet().register_forward_pre_hook(hook)
 
-    def postprocess(self, p, processed, fail=False):
+    def postprocess(self, p, processed, fail=False, interrupt=False):
         if getattr(self, "handle", None) is not None:
             self.handle.remove()
             self.handle = None
