@@ -1,5 +1,6 @@
 """The Cache method through whole jobs: in the webui double (its own pixels, reproduced from the infotext, the
-hires pass and an interrupted job starting afresh, an image independent of its batch) and in the SD.Next double."""
+hires pass, a failed job and one stopped by Interrupt each leaving nothing for the next, an image independent of
+its batch) and in the SD.Next double."""
 
 from __future__ import annotations
 
@@ -53,4 +54,28 @@ def test_an_image_does_not_depend_on_the_batch_it_was_made_in(fresh):
     rounding = (plain_batch - plain_alone).abs().max().item()
     assert (batch[0] - alone).abs().max().item() <= max(2 * rounding, 1e-5)
     assert not torch.allclose(batch[1], alone, atol=1e-2)  # the second image is another picture
+    fresh.assert_pristine()
+
+
+def test_a_job_stopped_by_interrupt_leaves_nothing_for_the_next(fresh):
+    """The WebUI's Interrupt: the sampler stops at its next evaluation and the job ends normally with what was
+    sampled (postprocess runs); the next Cache job of the same seed gives the whole job's pixels."""
+    from modules import shared
+
+    hires = dict(steps=6, enable_hr=True, hr_scale=1.5, hr_second_pass_steps=4, denoising_strength=0.7)
+    whole = fresh.txt2img(fresh.tome_args(**CACHE), seed=99, **hires).images[0]
+    calls = []
+
+    def interrupt_at_the_third(model, x, t, context):
+        calls.append(1)
+        if len(calls) == 3:
+            shared.state.interrupt()
+
+    fresh.model.observers.append(interrupt_at_the_third)
+    stopped = fresh.txt2img(fresh.tome_args(**CACHE), seed=99, **hires)
+    fresh.model.observers.remove(interrupt_at_the_third)
+    assert len(calls) == 3  # nothing ran after the interrupt, the hires pass included
+    assert stopped.images[0].shape != whole.shape and tome_keys(stopped.infotexts[0])["ToMe method"] == "Cache"
+    fresh.assert_pristine()  # postprocess removed the patch
+    assert torch.equal(fresh.txt2img(fresh.tome_args(**CACHE), seed=99, **hires).images[0], whole)
     fresh.assert_pristine()

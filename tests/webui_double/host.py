@@ -14,7 +14,7 @@ from typing import Any
 import gradio as gr
 
 from doubles_shared import HTTPError
-from modules import infotext_utils, processing, script_callbacks, scripts
+from modules import infotext_utils, processing, script_callbacks, scripts, shared
 
 BUILTIN_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_scripts")
 TABS = ("txt2img", "img2img")
@@ -58,6 +58,7 @@ class Webui:
     def generate(self, p, args: tuple):
         """A Generate click: the runner, its args, then the selected script or ``process_images``."""
         tab = "img2img" if isinstance(p, processing.StableDiffusionProcessingImg2Img) else "txt2img"
+        shared.state.begin(job=tab)
         p.scripts = self.runners[tab]
         p.script_args = tuple(args)
         processed = p.scripts.run(p, *p.script_args)
@@ -79,6 +80,7 @@ class Webui:
         cls = (processing.StableDiffusionProcessingImg2Img if tab == "img2img"
                else processing.StableDiffusionProcessingTxt2Img)
         p = cls(**request)
+        shared.state.begin(job=f"scripts_{tab}")
         p.is_api = True
         p.scripts = runner
         p.script_args = tuple(args)

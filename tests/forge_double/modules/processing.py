@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from modules import load_a1111, sd_models
+from modules import load_a1111, sd_models, shared
 
 _a1111 = load_a1111("processing")
 
@@ -61,6 +61,8 @@ class StableDiffusionProcessingTxt2Img(ForgeJob, _a1111.StableDiffusionProcessin
         return self.sample_hr_pass(samples)
 
     def sample_hr_pass(self, samples):
+        if shared.state.interrupted:
+            return samples
         samples, sampler, noise = self.start_hr_pass(samples)
         if self.scripts is not None:
             self.scripts.before_hr(self)

@@ -16,6 +16,10 @@ The refiner: before each evaluation (before the ``on_cfg_denoiser`` callbacks), 
 which makes a new ``shared.sd_model`` when its config differs; each batch, each job and the hires pass start
 by loading the base checkpoint back.
 
+Interrupt (``state.interrupt()``): the denoiser's next evaluation raises ``InterruptedException``, which the
+sampler catches, returning its last denoised latent; the hires pass is then skipped, and the job goes on
+(images, ``postprocess``) with what was sampled. A new job starts with ``state.begin()``.
+
 The U-Net is called once per model evaluation with cond and uncond batched (two calls when
 ``batch_cond_uncond`` is off); the samplers keep the webui's evaluation counts: Euler one per step, Heun two
 per step but one in its last step, DDIM one fewer than its steps. Images are the final latents (no VAE).
@@ -189,6 +193,8 @@ class StableDiffusionProcessingTxt2Img(StableDiffusionProcessing):
         return samples, create_sampler(self.hr_sampler_name or self.sampler_name), self.noise(*target, salt=1)
 
     def sample_hr_pass(self, samples: torch.Tensor) -> torch.Tensor:
+        if state.interrupted:
+            return samples
         samples, sampler, noise = self.start_hr_pass(samples)
         apply_token_merging(self.sd_model, self.get_token_merging_ratio(for_hr=True))
         if self.scripts is not None:
@@ -227,6 +233,10 @@ class StableDiffusionProcessingImg2Img(StableDiffusionProcessing):
 
 # -- samplers -------------------------------------------------------------------------------------------------
 
+class InterruptedException(BaseException):
+    """``sd_samplers_common.InterruptedException``."""
+
+
 class CFGDenoiser:
     """One model evaluation: the ``on_cfg_denoiser`` callbacks, then the U-Net on cond and uncond."""
 
@@ -238,6 +248,8 @@ class CFGDenoiser:
         self.p = None
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, cond, uncond, cond_scale: float) -> torch.Tensor:
+        if state.interrupted or state.skipped:
+            raise InterruptedException
         apply_refiner(self)
         params = script_callbacks.CFGDenoiserParams(x, None, sigma, state.sampling_step, state.sampling_steps,
                                                     cond, uncond, self)
@@ -252,7 +264,9 @@ class CFGDenoiser:
                              self.sampler.model_output(x_in[batch:], sigma_in[batch:], uncond)])
         denoised_cond, denoised_uncond = out[:batch], out[batch:]
         self.step += 1
-        return denoised_uncond + (denoised_cond - denoised_uncond) * cond_scale
+        denoised = denoised_uncond + (denoised_cond - denoised_uncond) * cond_scale
+        self.sampler.last_latent = denoised
+        return denoised
 
 
 def apply_refiner(denoiser: CFGDenoiser) -> bool:
@@ -284,12 +298,16 @@ class Sampler:
     def __init__(self, name: str) -> None:
         self.name = name
         self.denoiser = CFGDenoiser(self)
+        self.last_latent: torch.Tensor | None = None
 
     def launch_sampling(self, steps: int, func):
         self.denoiser.steps = steps
         self.denoiser.total_steps = steps * 2 if self.second_order else steps
         state.sampling_steps, state.sampling_step = steps, 0
-        return func()
+        try:
+            return func()
+        except InterruptedException:
+            return self.last_latent
 
     def callback_state(self, i: int) -> None:
         state.sampling_step = i

@@ -57,6 +57,15 @@ class State:
         self.sampling_steps = 0
         self.job = ""
 
+    def begin(self, job: str = "") -> None:
+        """A new job (the API route or the UI's queue): no interrupt carried over."""
+        self.interrupted = self.skipped = self.stopping_generation = False
+        self.sampling_step, self.sampling_steps, self.job = 0, 0, job
+
+    def interrupt(self) -> None:
+        """The Interrupt button and ``/sdapi/v1/interrupt``."""
+        self.interrupted = True
+
 
 opts = Options()
 state = State()
