@@ -32,7 +32,8 @@ OTHERS = {"ToDo f=2 levels 4": dict(method="todo", max_downsample=4),
 
 def call_counts(steps: int, options: dict) -> tuple[int, int]:
     """(full, reused) U-Net calls of a ``steps``-step run with one call a step, progress told as the webui tells
-    it, counted by the patch of a small SD 1.x-layout U-Net patched with ``options``."""
+    it, as the schedule of the patch of a small SD 1.x-layout U-Net patched with ``options`` counts them (one
+    size all run long: every call the schedule reuses on finds its kept changes)."""
     from ldm.modules.diffusionmodules.openaimodel import UNetModel
 
     torch.manual_seed(0)
@@ -47,7 +48,7 @@ def call_counts(steps: int, options: dict) -> tuple[int, int]:
             unet(x, torch.full((1,), 999.0 - 999.0 * i / steps), context=context)
     kept = tome_core.get_patch(unet).method_patch
     tome_core.remove_patch(unet)
-    return kept.full_calls, kept.reused_calls
+    return kept.scheduled_full, kept.scheduled_reuses
 
 
 def _macs(call) -> int:

@@ -137,9 +137,10 @@ class CachePatch(MethodPatch):
         self._timesteps = CallClock()
         self.slot: int | None = None  # this call's slot in its evaluation; None: run as unpatched
         self.reusing = False  # this call takes the kept changes (where they fit it)
-        # U-Net calls since the patch was made that ran the stacks whole, and that the schedule reused on.
-        self.full_calls = 0
-        self.reused_calls = 0
+        # U-Net calls since the patch was made that the schedule runs whole, and that it reuses on (a call it
+        # reuses on whose stacks have nothing kept that fits, the first at a new size, still runs them whole).
+        self.scheduled_full = 0
+        self.scheduled_reuses = 0
 
     def install(self) -> None:
         if not self.patch.has_call_hook:
@@ -165,9 +166,9 @@ class CachePatch(MethodPatch):
         self.slot = clock.slot
         self.reusing = not full and o.in_window(patch.progress)
         if self.reusing:
-            self.reused_calls += 1
+            self.scheduled_reuses += 1
         else:
-            self.full_calls += 1
+            self.scheduled_full += 1
 
     def start_afresh(self) -> None:
         self.kept.clear()  # each stack's next call runs whole: nothing fits it
