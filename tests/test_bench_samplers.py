@@ -66,17 +66,37 @@ def test_the_weighted_one_step_figure_weighs_each_step_by_its_move_of_the_sample
     assert weighted_relative_error(reference, other, inputs, sigmas).tolist() == pytest.approx([0.05])
 
 
+def test_the_summed_figure_adds_the_moves_errors_before_squaring_them():
+    """The same two steps (moves −2 and −1 per unit of ε): errors of +0.5 then −1 on every number cancel in the
+    sum of the moves, (−2·0.5 + −1·−1) = 0; errors of +0.5 twice add up, (−1 − 0.5)² = 2.25 per number, over
+    the whole run's move of ε = 1, (−2 − 1)² = 9 per number."""
+    from tome_core.bench.stepwise import summed_relative_error
+
+    sigmas = [3.0, 1.0]
+    eps = torch.ones(2, 1, 1, 2, 2, dtype=torch.float64)
+    inputs = torch.zeros_like(eps)
+    sig = torch.tensor(sigmas, dtype=torch.float64).view(-1, 1, 1, 1, 1)
+    cancelling, adding = eps.clone(), eps + 0.5
+    cancelling[0] += 0.5
+    cancelling[1] -= 1.0
+    reference = inputs - sig * eps
+    assert summed_relative_error(reference, inputs - sig * cancelling, inputs, sigmas).tolist() == pytest.approx([0.0])
+    assert summed_relative_error(reference, inputs - sig * adding, inputs, sigmas).tolist() == pytest.approx([0.25])
+
+
 def test_step_figures_are_printed_beside_the_final_pictures(capsys):
     assert samplers.main(["--layout", "sd15", "--samplers", "euler", "--contenders", "todo", "cache", "--steps", "4",
                           "--images", "1", "--step-figures"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| seed")]
-    assert len(rows) == 3 * 3
+    assert len(rows) == 3 * 4
     assert sum("weighted by the sample's move" in r for r in rows) == 3
+    assert sum("summed as the sample's moves" in r for r in rows) == 3
     assert all(re.fullmatch(r"\| seed \d \| [^|]+ \|( [\d.]+ \[[\d.]+–[\d.]+\] \|){2}", r) for r in rows)
     agreement = [line for line in out.splitlines() if line.startswith("- seed")]
     assert len(agreement) == 3 and all(re.fullmatch(r"- seed \d: one step, every step alike [01] of 1, one step, "
-                                                    r"weighted by the sample's move [01] of 1", a) for a in agreement)
+                                                    r"weighted by the sample's move [01] of 1, one step, summed as "
+                                                    r"the sample's moves [01] of 1", a) for a in agreement)
 
 
 def test_pairs_in_order_counts_the_pairs_a_figure_orders_as_the_pictures():

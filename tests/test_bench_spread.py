@@ -136,6 +136,56 @@ def test_the_step_measure_gives_both_models_the_unmerged_input():
     assert trajectory.inputs.shape == (3, 2, 3, SIZE, SIZE) and trajectory.timesteps[0] == 999
 
 
+class LastStepScaled(ScaledOutput):
+    """A contender whose U-Net output is (1 + delta) times the plain one at the last of ``steps`` calls only."""
+
+    def __init__(self, delta: float, steps: int) -> None:
+        super().__init__(delta)
+        self.steps, self.calls = steps, 0
+
+    def apply(self, model) -> None:
+        def hook(module, args, out):
+            self.calls += 1
+            return out * (1 + self.delta) if self.calls == self.steps else out
+        self.calls = 0
+        self.handle = model.model.diffusion_model.register_forward_hook(hook)
+
+
+def test_the_step_figure_weighs_each_step_by_how_far_it_moves_the_sample():
+    """An error at the last step alone: Euler moves the sample by (σ_{i+1} − σ_i)·ε at step i, so the figure is
+    the last step's error weighed by (σ_last − 0)² over every step's ε power weighed by (σ_i − σ_{i+1})², both
+    computed here from the trajectory itself; every step alike it would be (error / power at the last step) / 3."""
+    pipe = stand_in_pipeline()
+    noise = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))
+    trajectory, _ = reference_trajectory(pipe, noise, steps=3)
+    delta = 0.1
+    got = step_errors(pipe, [LastStepScaled(delta, 3).contender()], trajectory)[f"scaled {delta}"]
+    sig = torch.tensor(trajectory.sigmas, dtype=torch.float64).view(-1, 1, 1, 1, 1)
+    eps = (trajectory.inputs.double() - trajectory.denoised.double()) / sig  # (steps, B, C, h, w)
+    power = eps.pow(2).flatten(2).sum(-1)  # (steps, B)
+    ends = trajectory.sigmas + [0.0]
+    w = torch.tensor([(ends[i] - ends[i + 1]) ** 2 for i in range(3)], dtype=torch.float64).view(-1, 1)
+    expected = -10 * torch.log10(w[-1] * delta ** 2 * power[-1] / (w * power).sum(0))
+    alike = -10 * torch.log10(delta ** 2 * power[-1] / power[-1] / 3)
+    assert got == pytest.approx(expected.tolist(), abs=1e-3)
+    assert all(g > a + 3 for g, a in zip(got, alike.tolist()))  # the last step moves the sample least
+
+
+def test_the_step_figure_tells_each_step_its_progress_as_sampling_does():
+    """A step window no step of a 3-step run falls in ((i + 0.5) / 3 < 0.9 for every step): told the progress,
+    the patch never acts and the figure is ∞; the same patch told nothing acts on every step."""
+    import tome_core
+
+    pipe = stand_in_pipeline()
+    noise = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))
+    trajectory, _ = reference_trajectory(pipe, noise, steps=3)
+    late = Contender("ToMe late", lambda m: tome_core.apply_patch(m, ratio=0.5, step_start=0.9),
+                     tome_core.remove_patch, "ToMe", "0.50")
+    assert step_errors(pipe, [late], trajectory)["ToMe late"] == [math.inf, math.inf]
+    untold = Contender("ToMe untold", lambda m: tome_core.apply_patch(m, ratio=0.5), tome_core.remove_patch, "ToMe")
+    assert all(math.isfinite(v) for v in step_errors(pipe, [untold], trajectory)["ToMe untold"])
+
+
 def test_a_real_merge_moves_the_step_figure_and_ratio_0_does_not():
     pipe = stand_in_pipeline()
     racers = roster([0.0, 0.5], [2], with_tomesd=False, with_ideal=True)

@@ -217,7 +217,7 @@ def _step_db(pipe: Pipeline, trajectory, ratio: float, random_destinations: bool
 def test_sampled_fidelity_falls_as_the_ratio_rises(pipe):
     """The benchmark's own measures on a short run. Per step along the unmerged trajectory (the measure the
     README ranks by): the change grows with the ratio, and choosing destinations by similarity beats random
-    ones (by 4.3 dB on the seed-0 proxy; a U-Net with random weights gets about as much, so that training
+    ones (by 6.0 dB on the seed-0 proxy; a U-Net with random weights gets about as much, so that training
     made similarity pay is the held-out tests' concern, above). The final pictures only have to stay close at
     every ratio: which ratio ends closest after the whole trajectory differs between proxies trained alike, so
     no order of them is asserted."""

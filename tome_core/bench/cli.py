@@ -5,7 +5,8 @@ pixel space) at their evaluation size; ``--proxy FILE ...`` runs other proxies, 
 1.x/2.x/SDXL checkpoint. For each model, the same short Euler sampling run from the same noise is made with no
 merging and with each method at each setting (ToMe and Local at each ratio, ToDo at each factor, tomesd when
 installed), the final images compared image by image with the unmerged ones by PSNR and SSIM, and each step's
-prediction compared along the unmerged run's own trajectory (the "step dB"). The contenders are timed on a
+prediction compared along the unmerged run's own trajectory, each step weighed by how far it moves the sample
+(the "step dB"). The contenders are timed on a
 U-Net call of the first model in interleaved rounds. ``--models sd15 sdxl ...`` times the webui's
 architectures with random weights instead: speed only, since random weights make no picture.
 

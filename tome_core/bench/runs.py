@@ -249,7 +249,8 @@ def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace, mo
             f"(seed {args.seed}), "
             f"against no merging's, each image on its own; step dB: each step's prediction along the unmerged "
             f"run's own trajectory (the same input for both), −10·log10 of the noise estimate's squared error "
-            f"relative to its power, averaged over the steps; {over}. ∞ and 1.000 = identical.")
+            f"relative to its power, each step's weighed by how far that step moves the sample; {over}. "
+            f"∞ and 1.000 = identical.")
 
 
 def finish(args: argparse.Namespace, timings: list, load: Load | None, judged_by_rounds: bool):

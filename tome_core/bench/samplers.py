@@ -22,8 +22,9 @@ from .contenders import Wrapped
 from .fidelity import noise_for
 from .loading import load_proxies
 from .metrics import psnr_each
-from .sampling import SAMPLER_LABELS, SAMPLERS, denoise, sample
-from .stepwise import Trajectory, reference_trajectory, relative_error, to_db, weighted_relative_error
+from .sampling import SAMPLER_LABELS, SAMPLERS, sample
+from .stepwise import (Trajectory, predictions_along, reference_trajectory, relative_error, summed_relative_error,
+                       to_db, weighted_relative_error)
 
 CONTENDERS = {
     "todo": ("ToDo f=2 levels 4", dict(method="todo", max_downsample=4)),
@@ -65,26 +66,23 @@ def final_pictures(pipe, noise: torch.Tensor, steps: int, sampler: str, noise_se
     return pipe.decode(x).float().cpu()
 
 
-def one_step_figures(pipe, trajectory: Trajectory, options: dict) -> tuple[list[float], list[float]]:
+def one_step_figures(pipe, trajectory: Trajectory, options: dict) -> tuple[list[float], ...]:
     """Per image, dB: the one-step figure along the unmerged run ``trajectory`` (``reference_trajectory``)
-    patched with ``options`` (progress told at each step), every step alike (``relative_error``) and weighted
-    by each step's move of the sample (``weighted_relative_error``)."""
+    patched with ``options``, every step alike (``relative_error``) and weighted by each step's move of the
+    sample (``weighted_relative_error``, the benchmark's step dB)."""
     wrapped = Wrapped(pipe.unet)
     tome_core.apply_patch(wrapped, **options)
     try:
-        estimates = []
-        for i in range(trajectory.steps):
-            tome_core.set_progress(wrapped, (i + 0.5) / trajectory.steps)
-            estimates.append(denoise(pipe, trajectory.inputs[i], trajectory.sigmas[i],
-                                     trajectory.timesteps[i]).cpu())
+        estimates = predictions_along(pipe, wrapped, trajectory)
     finally:
         tome_core.remove_patch(wrapped)
-    args = (trajectory.denoised, torch.stack(estimates), trajectory.inputs, trajectory.sigmas)
-    return ([to_db(float(v)) for v in relative_error(*args)],
-            [to_db(float(v)) for v in weighted_relative_error(*args)])
+    args = (trajectory.denoised, estimates, trajectory.inputs, trajectory.sigmas)
+    return tuple([to_db(float(v)) for v in figure(*args)]
+                 for figure in (relative_error, weighted_relative_error, summed_relative_error))
 
 
-STEP_FIGURES = ("one step, every step alike", "one step, weighted by the sample's move")
+STEP_FIGURES = ("one step, every step alike", "one step, weighted by the sample's move",
+                "one step, summed as the sample's moves")
 
 
 def _median(values: list[float]) -> float:

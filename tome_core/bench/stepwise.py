@@ -4,13 +4,18 @@ The final-picture figure (``fidelity``) follows each method's own 20-step trajec
 discrete choice early (which token goes where, a texture's phase), the trajectories part and the final pictures
 can differ far more than any one step's prediction did, and by an amount that depends on the model and the
 noise. This measure cannot be amplified that way: at every step of the unmerged run, the patched U-Net is
-given the very input the unmerged one got (the same x_t, timestep and conditioning), and only the two
-predictions are compared.
+given the very input the unmerged one got (the same x_t, timestep and conditioning, and the same progress told
+to the patch as the webui tells it), and only the two predictions are compared.
 
-The figure, per image: the noise each prediction implies, ε = (x_t − x̂0) / σ (what an eps model outputs; a
-v model's output converted), its error relative to the unmerged ε, squared and averaged over the steps, in dB:
-``-10·log10(mean over steps of ‖ε_m − ε‖² / ‖ε‖²)``. 20 dB means a tenth of the prediction moved, 40 dB a
-hundredth; ∞: no step moved. It is measured in the sampled space (latents for SD), no decoder needed.
+The figure (the benchmark's "step dB"), per image: the noise each prediction implies, ε = (x_t − x̂0) / σ (what
+an eps model outputs; a v model's output converted), its squared error against the unmerged ε, each step's
+weighed by how far that step moves the sample, over the unmerged ε's power weighed alike, in dB:
+``-10·log10(Σ_i w_i·‖ε_m − ε‖² / Σ_i w_i·‖ε‖²)`` with w_i = (σ_i − σ_{i+1})² (``sample_weights``). An Euler
+step moves the sample by (σ_{i+1} − σ_i)·ε, so an error in a late, low-noise step's prediction moves the picture
+little and an early one's much; weighing every step alike (``relative_error``) ranked a method whose error
+differs from step to step (Cache's reused steps) against the final pictures. 20 dB means a tenth of the
+prediction moved, 40 dB a hundredth; ∞: no step moved. It is measured in the sampled space (latents for SD),
+no decoder needed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+import tome_core
 
 from .contenders import Contender, Wrapped
 from .pipeline import Pipeline
@@ -93,17 +100,47 @@ def weighted_relative_error(reference: torch.Tensor, other: torch.Tensor, inputs
     return (w * error).sum(0) / (w * power).sum(0)
 
 
+def summed_relative_error(reference: torch.Tensor, other: torch.Tensor, inputs: torch.Tensor,
+                          sigmas: list[float]) -> torch.Tensor:
+    """Per image (B,): ‖Σ_i (σ_{i+1} − σ_i)·(ε_other − ε_ref)_i‖² / ‖Σ_i (σ_{i+1} − σ_i)·ε_ref,i‖²: the Euler moves'
+    errors added up before they are squared, as they would add in the final sample if no error changed a later
+    step's input (errors of one sign from step to step add up, errors that alternate cancel), over the whole
+    run's move. Same arguments as ``relative_error``."""
+    sig = torch.tensor(sigmas, dtype=torch.float64).view(-1, *([1] * (reference.dim() - 1)))
+    ends = list(sigmas) + [0.0]
+    move = torch.tensor([ends[i + 1] - ends[i] for i in range(len(sigmas))], dtype=torch.float64
+                        ).view(-1, *([1] * (reference.dim() - 1)))
+    eps_ref = (inputs - reference) / sig
+    eps_other = (inputs - other) / sig
+    error = (move * (eps_other - eps_ref)).sum(0).pow(2).flatten(1).sum(-1)
+    return error / (move * eps_ref).sum(0).pow(2).flatten(1).sum(-1).clamp_min(1e-300)
+
+
 def to_db(relative: float) -> float:
     """A mean relative squared error as dB (∞ for none)."""
     return math.inf if relative <= 0 else -10.0 * math.log10(relative)
 
 
+def predictions_along(pipe: Pipeline, wrapped: Wrapped, trajectory: Trajectory,
+                      device: torch.device | None = None) -> torch.Tensor:
+    """(steps, B, C, h, w) on the CPU: the clean-sample estimates of ``pipe.unet`` as it is patched now (through
+    ``wrapped``, the nesting it was patched in) at each step's input of ``trajectory``, one call a step in the
+    sampling order, with each step's progress told to the patch first, as the webui and the sampling runs tell
+    it (a method that acts by step, Cache, places its calls by it)."""
+    device = device or next(pipe.unet.parameters()).device
+    estimates = []
+    for i in range(trajectory.steps):
+        tome_core.set_progress(wrapped, (i + 0.5) / trajectory.steps)
+        estimates.append(denoise(pipe, trajectory.inputs[i].to(device), trajectory.sigmas[i],
+                                 trajectory.timesteps[i]).cpu())
+    return torch.stack(estimates)
+
+
 def step_errors(pipe: Pipeline, racers: list[Contender], trajectory: Trajectory, seed: int = 0,
                 device: torch.device | None = None, on_done=None) -> dict[str, list[float]]:
-    """Each contender's one-step figure in dB per image along ``trajectory`` (no merging: ∞), its U-Net called
-    once per step in the sampling order, as in its own sampling run (the global RNG seeded first, for tomesd's
+    """Each contender's one-step figure (``weighted_relative_error``) in dB per image along ``trajectory`` (no
+    merging: ∞), its predictions from ``predictions_along`` (the global RNG seeded first, for tomesd's
     partition generator); ``on_done(name)`` after each."""
-    device = device or next(pipe.unet.parameters()).device
     wrapped = Wrapped(pipe.unet)
     out: dict[str, list[float]] = {}
     for racer in racers:
@@ -111,18 +148,15 @@ def step_errors(pipe: Pipeline, racers: list[Contender], trajectory: Trajectory,
             continue
         if racer.method == "none":  # the trajectory's own predictions
             out[racer.name] = [math.inf] * trajectory.inputs.shape[1]
-            if on_done is not None:
-                on_done(racer.name)
-            continue
-        torch.manual_seed(seed)
-        racer.apply(wrapped)
-        try:
-            estimates = torch.stack([denoise(pipe, trajectory.inputs[i].to(device), trajectory.sigmas[i],
-                                             trajectory.timesteps[i]).cpu() for i in range(trajectory.steps)])
-        finally:
-            racer.remove(wrapped)
-        rel = relative_error(trajectory.denoised, estimates, trajectory.inputs, trajectory.sigmas)
-        out[racer.name] = [to_db(float(v)) for v in rel]
+        else:
+            torch.manual_seed(seed)
+            racer.apply(wrapped)
+            try:
+                estimates = predictions_along(pipe, wrapped, trajectory, device)
+            finally:
+                racer.remove(wrapped)
+            rel = weighted_relative_error(trajectory.denoised, estimates, trajectory.inputs, trajectory.sigmas)
+            out[racer.name] = [to_db(float(v)) for v in rel]
         if on_done is not None:
             on_done(racer.name)
     return out
