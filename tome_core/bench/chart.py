@@ -35,7 +35,7 @@ def _busy_note(fig, busy: Busy | None) -> None:
 
 
 FIDELITY_AXES = (("psnr", "final-picture PSNR against the unmerged image, dB (right: closer)"),
-                 ("step", "one-step dB along the unmerged trajectory (right: closer)"))
+                 ("step", "one-step dB along the unmerged trajectory, each step weighed by its move (right: closer)"))
 
 
 def label_positions(values: list[float], gap: float) -> list[float]:
