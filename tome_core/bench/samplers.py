@@ -4,9 +4,10 @@ range over the images) against the unmerged pictures, one line per proxy and sam
     python -m tome_core.bench.samplers --layout sdxl --samplers euler euler_a dpmpp_2m
 
 The same noise for every contender, the same fresh noise for Euler a (its own seed), progress told to the patch
-at every step as the webui tells it. ``--step-figures`` adds, per proxy, the two one-step figures along the
-unmerged Euler run (``stepwise``): the benchmark's (every step alike) and the one weighted by how far each step
-moves the sample, to set beside the final pictures.
+at every step as the webui tells it. ``--step-figures`` adds, per proxy, three one-step figures along the
+unmerged Euler run (``stepwise``), to set beside the final pictures: every step alike (the benchmark's until
+2026-12-05), weighted by how far each step moves the sample (the benchmark's step dB since), and the moves'
+errors summed before squaring; and how many pairs of contenders each puts in the final pictures' order.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def final_pictures(pipe, noise: torch.Tensor, steps: int, sampler: str, noise_se
 
 def one_step_figures(pipe, trajectory: Trajectory, options: dict) -> tuple[list[float], ...]:
     """Per image, dB: the one-step figure along the unmerged run ``trajectory`` (``reference_trajectory``)
-    patched with ``options``, every step alike (``relative_error``) and weighted by each step's move of the
-    sample (``weighted_relative_error``, the benchmark's step dB)."""
+    patched with ``options``, every step alike (``relative_error``), weighted by each step's move of the sample
+    (``weighted_relative_error``, the benchmark's step dB) and the moves' errors summed before squaring
+    (``summed_relative_error``)."""
     wrapped = Wrapped(pipe.unet)
     tome_core.apply_patch(wrapped, **options)
     try:
@@ -108,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="proxy weights files (default: every shipped proxy of the layout), e.g. one trained "
                          "from another seed with python -m tome_core.bench.proxy train")
     ap.add_argument("--step-figures", action="store_true",
-                    help="also the one-step figures (every step alike, and weighted by each step's move of the "
-                         "sample) along the unmerged Euler run")
+                    help="also the one-step figures along the unmerged Euler run (every step alike, weighted by "
+                         "each step's move of the sample, and the moves' errors summed)")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
