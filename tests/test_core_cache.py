@@ -2,8 +2,10 @@
 and call slot, never across runs, sizes or restores.
 
 The oracle is the unpatched U-Net with plain forward hooks on its transformers: on a full step they record each
-transformer's output less its input, and on a reused step they replace each output by the call's own input plus
-the recorded change of the same call slot."""
+transformer's input and output, and the gain that best maps its input's move since the last full call of the same
+call slot onto its output's (least squares, per batch row, solved by ``torch.linalg.lstsq`` in float64, kept in
+[0, 1.5]; 1 at the first full call); on a reused step they replace each output by the recorded output plus the
+gain times the input's move since the recorded input."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 import tome_core
+from tome_core.methods import cache
 from diffusers_unets import diffusers_unet, run_diffusers
 from unets import hook_counts, inputs, run, tiny_unet
 
@@ -35,11 +38,20 @@ def _full(i: int, warmup: int, interval: int) -> bool:
     return i in FULL_STEPS[warmup, interval]
 
 
+def least_squares_gain(x0: torch.Tensor, y0: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per row, the ``a`` minimising |(y − y0) − a·(x − x0)|², in [0, 1.5], shaped (B, 1, 1, 1)."""
+    gains = []
+    for dx, dy in zip((x - x0).double(), (y - y0).double()):
+        gains.append(torch.linalg.lstsq(dx.reshape(-1, 1), dy.reshape(-1, 1)).solution.reshape(()))
+    return torch.stack(gains).clamp(0.0, 1.5).to(x.dtype).reshape(-1, 1, 1, 1)
+
+
 class Oracle:
     """Hooks on an unpatched U-Net's transformers that compute what Cache must: see the module docstring."""
 
     def __init__(self, unet, levels=None) -> None:
         self.kept: dict = {}
+        self.gains: list = []  # every gain fitted, to show they are not all 1
         self.mode, self.slot = "full", 0
         chosen = tome_core.patch.transformer_levels(unet)
         below_top = sorted({lv for _, _, lv in chosen})[1:]  # "auto": every level but the highest-resolution one
@@ -51,10 +63,15 @@ class Oracle:
         def hook(module, args, kwargs, output):
             x = args[0] if args else kwargs["hidden_states"]
             y = output if isinstance(output, torch.Tensor) else output[0]
+            key = (self.slot, index)
             if self.mode == "full":
-                self.kept[(self.slot, index)] = y - x
+                before = self.kept.get(key)
+                gain = 1.0 if before is None else least_squares_gain(before[0], before[1], x, y)
+                self.kept[key] = (x.clone(), y.clone(), gain)
+                self.gains.append(gain)
                 return None
-            new = x + self.kept[(self.slot, index)]
+            x0, y0, gain = self.kept[key]
+            new = y0 + gain * (x - x0)
             return new if isinstance(output, torch.Tensor) else (new,) + tuple(output[1:])
         return hook
 
@@ -86,6 +103,8 @@ def test_each_step_is_the_oracles_full_or_reused_step(layout, warmup, interval):
         oracle.mode = "full" if _full(i, warmup, interval) else "reuse"
         want.append(run(unet, x, t, c))
     oracle.remove()
+    fitted = [g for g in oracle.gains if isinstance(g, torch.Tensor)]
+    assert fitted and not all(torch.allclose(g, torch.ones_like(g), atol=0.02) for g in fitted)  # not the plain change
     got = _patched_run(unet, xs, ts, c, cache_warmup=warmup, cache_interval=interval)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.allclose(a, b, atol=1e-6), i
@@ -93,6 +112,54 @@ def test_each_step_is_the_oracles_full_or_reused_step(layout, warmup, interval):
     reused = [i for i in range(STEPS) if not _full(i, warmup, interval)]
     assert all(not torch.equal(got[i], plain[i]) for i in reused)
     assert all(torch.equal(got[i], plain[i]) for i in range(STEPS) if i not in reused)
+
+
+def test_the_fitted_gain_is_each_rows_least_squares_slope():
+    """``fitted_gain`` against the slope drawn: outputs that move by a known gain per row times the input's move,
+    plus a part unrelated to it, give that gain back; an input that did not move gives 1; a slope past the
+    bounds is held to them."""
+    gen = torch.Generator().manual_seed(3)
+    x0, x = torch.randn(4, 8, 5, 5, generator=gen), torch.randn(4, 8, 5, 5, generator=gen)
+    x[3] = x0[3]  # row 3's input did not move
+    drawn = torch.tensor([0.8, 1.2, 3.0, 0.5]).view(-1, 1, 1, 1)
+    y0 = torch.randn(4, 8, 5, 5, generator=gen)
+    unrelated = torch.randn(4, 8, 5, 5, generator=gen)
+    dx = (x - x0).flatten(1)
+    unrelated -= ((unrelated.flatten(1) * dx).sum(1) / (dx * dx).sum(1).clamp_min(1e-12)).view(-1, 1, 1, 1) * (x - x0)
+    y = y0 + drawn * (x - x0) + 0.3 * unrelated  # the unrelated part has no share along the input's move
+    gain = cache.fitted_gain(cache._Kept(x0, y0, 1.0, None), x, y)
+    assert gain.shape == (4, 1, 1, 1)
+    assert torch.allclose(gain.flatten(), torch.tensor([0.8, 1.2, 1.5, 1.0]), atol=1e-5)
+    half = cache.fitted_gain(cache._Kept(x0.half(), y0.half(), 1.0, None), x.half(), y.half())
+    assert half.dtype == torch.float16 and torch.allclose(half.float().flatten()[:2], drawn.flatten()[:2], atol=1e-2)
+
+
+def test_a_host_adding_to_a_stacks_output_in_place_does_not_change_what_is_kept():
+    """Forge adds ControlNet's residuals to a block's output in place (``h += control``), and the block's output
+    is its transformer's: Cache keeps copies, so an in-place addition gives the pixels an out-of-place one does."""
+    xs, ts, c = _trajectory()
+
+    def with_addition(in_place: bool) -> list:
+        unet = tiny_unet("sd1")
+        stacks = [t for _, t, _ in tome_core.patch.transformer_levels(unet)]
+
+        def add(module, args, output):
+            if in_place:
+                output.add_(0.5)
+                return None
+            return output + 0.5
+        tome_core.apply_patch(unet, method="cache")
+        handles = [t.register_forward_hook(add) for t in stacks]
+        out = []
+        for i, (x, t) in enumerate(zip(xs, ts)):
+            tome_core.set_progress(unet, (i + 0.5) / STEPS)
+            out.append(run(unet, x, t, c))
+        for handle in handles:
+            handle.remove()
+        tome_core.remove_patch(unet)
+        return out
+
+    assert all(torch.equal(a, b) for a, b in zip(with_addition(True), with_addition(False)))
 
 
 def test_an_image_does_not_depend_on_its_batch_nor_on_cond_and_uncond_together_or_apart():
@@ -208,7 +275,7 @@ def test_an_interrupted_run_leaves_nothing_for_the_next():
     assert all(torch.equal(a, b) for a, b in zip(fresh, again))
 
 
-def test_kept_memory_is_one_change_per_stack_and_slot_and_the_restore_is_exact():
+def test_kept_memory_is_an_input_and_output_per_stack_and_slot_and_the_restore_is_exact():
     unet = tiny_unet("sdxl")
     xs, ts, c = _trajectory(batch=2)
     hooks = hook_counts(unet)
@@ -222,7 +289,9 @@ def test_kept_memory_is_one_change_per_stack_and_slot_and_the_restore_is_exact()
     for handle in handles:
         handle.remove()
     _patched_run(unet, xs[:3], ts[:3], c, calls_per_step=2)
-    assert tome_core.get_patch(unet).method_patch.kept_bytes() == sum(sizes)  # two slots of half the batch
+    # Per stack and slot (two slots of half the batch: the sizes of one call of the whole batch) an input and an
+    # output, and from the second full step a gain per row: 2 slots × len(sizes) stacks × 1 row of float32.
+    assert tome_core.get_patch(unet).method_patch.kept_bytes() == 2 * sum(sizes) + 2 * len(sizes) * 4
     tome_core.remove_patch(unet)
     assert hook_counts(unet) == hooks
     assert not any("forward" in m.__dict__ for m in unet.modules())
