@@ -235,7 +235,8 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             stack added to its group at the exit; see ``tome_core.stack``; it reads ``ratio``,
             ``max_downsample``, the step window, ``index_dtype`` and ``local_replan``), or "cache" (each selected
             transformer stack run whole on the full steps and skipped on the steps between, where every token
-            gets its own input plus its own change through the stack at the last full step; see
+            gets the stack's output at the last full step moved by the stack's fitted gain times its own input's
+            move since then; see
             ``tome_core.methods.cache``; it reads ``max_downsample``, the step window, ``cache_interval`` and
             ``cache_warmup``). With ``max_downsample`` None each method selects the levels where it gains: the
             highest-resolution attention level; for Stack also SDXL's second level; for Cache every level below
@@ -304,7 +305,7 @@ def is_patched(model: Any) -> bool:
 
 
 def start_afresh(model: Any) -> None:
-    """Forget what the patch keeps from earlier calls (Cache's kept changes), so that its next call runs whole.
+    """Forget what the patch keeps from earlier calls (what Cache keeps), so that its next call runs whole.
 
     For a host that loads other weights into the patched modules within a run (the A1111 WebUI's refiner when
     it shares the base model's config): a change made by the old weights must not be applied with the new.

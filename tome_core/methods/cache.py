@@ -94,10 +94,10 @@ def fitted_gain(before: _Kept, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     Why: a stack's output is its input plus what its blocks add, and the blocks answer a moved input too (their
     norms and attention pull part of the move back), so the output moves less than the input. A gain of 1 (the
     input plus the kept change) carries all of an ancestral sampler's fresh noise through, where the stack
-    would have damped part of it: on the SDXL-layout proxies with Euler a the fitted gain ended 4 to 8 dB closer
-    to the unmerged pictures. A fixed gain does not serve every model (0.9 gained 4.5 dB on one proxy with Euler
-    a and lost 8 on another with Euler); measured per stack, image and run, it needs no setting. Reduced in
-    float32, per row, so an image never depends on its batch."""
+    would have damped part of it: on the SDXL-layout proxies with Euler a the fitted gain ended 3.6 to 7.8 dB
+    closer to the unmerged pictures than a gain of 1. A fixed gain does not serve every model (0.9 gained 5.7 dB
+    with Euler a on one proxy and lost 7.9 with Euler on another); measured per stack, image and run, it needs
+    no setting. Reduced in float32, per row, so an image never depends on its batch."""
     dx = (x - before.input).flatten(1).float()
     dy = (y - before.output).flatten(1).float()
     moved = (dx * dx).sum(1)
@@ -173,7 +173,7 @@ class CachePatch(MethodPatch):
         # Where no progress is told: calls at one timestep are one evaluation, a higher one starts a run.
         self._timesteps = CallClock()
         self.slot: int | None = None  # this call's slot in its evaluation; None: run as unpatched
-        self.reusing = False  # this call takes the kept changes (where they fit it)
+        self.reusing = False  # this call takes what was kept (where it fits)
         # U-Net calls since the patch was made that the schedule runs whole, and that it reuses on (a call it
         # reuses on whose stacks have nothing kept that fits, the first at a new size, still runs them whole).
         self.scheduled_full = 0
