@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tome_core.bench import runtime
+from tome_core.methods import cache as cache_method
 
 
 # Full steps by the schedule's rule: the warm-up (the first step at least), then gaps of 2, 4, 6 ... steps, at most
@@ -21,8 +22,15 @@ def test_calls_are_counted_by_kind_as_the_schedule_says(steps, warmup, interval,
 pytestmark = pytest.mark.usefixtures("webui_unet_for_this_test_only")
 
 
-def test_each_kind_of_call_is_timed_and_a_reused_call_does_less_work():
+def test_each_kind_of_call_is_timed_and_a_reused_call_does_less_work(monkeypatch):
+    fits = []
+    fit = cache_method.fitted_gain
+    monkeypatch.setattr(cache_method, "fitted_gain", lambda *a: fits.append(1) or fit(*a))
     per_call = runtime.measure("sd15", 128, 1, 2, width=0.1)
+    # The timed full call is one that fits the gain (a run's full calls after its first do): in each of the
+    # warm-up, 2 timed and multiply-add rounds, once per selected stack (SD 1.x "auto": the 11 stacks at
+    # downsampling 2 and 4 and the middle block).
+    assert len(fits) == 4 * 11
     assert set(per_call) == {"none", "Cache full", "Cache reused", *runtime.OTHERS}
     assert all(len(seconds) == 2 and min(seconds) > 0 and macs > 0 for seconds, macs in per_call.values())
     assert per_call["Cache reused"][1] < 0.9 * per_call["Cache full"][1]
