@@ -236,9 +236,8 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             ``max_downsample``, the step window, ``index_dtype`` and ``local_replan``), or "cache" (each selected
             transformer stack run whole on the full steps and skipped on the steps between, where every token
             gets the stack's output at the last full step moved by the stack's fitted gain times its own input's
-            move since then; see
-            ``tome_core.methods.cache``; it reads ``max_downsample``, the step window, ``cache_interval`` and
-            ``cache_warmup``). With ``max_downsample`` None each method selects the levels where it gains: the
+            move since then; see ``tome_core.methods.cache``; it reads ``max_downsample``, the step window,
+            ``cache_interval`` and ``cache_warmup``). With ``max_downsample`` None each method selects the levels where it gains: the
             highest-resolution attention level; for Stack also SDXL's second level; for Cache every level below
             the highest-resolution one (SDXL: its deep level alone).
         todo_factor, todo_pool: ToDo's downsampling factor per side and "nearest" or "average" pooling.
