@@ -194,6 +194,91 @@ def test_two_calls_a_step_each_reuse_their_own_slots_change():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
 
 
+def _named_run(unet, xs, ts, c, layouts, rows=True):
+    """A run whose batch is two named parts, A (rows 0-1) and B (rows 2-3), called at step i as ``layouts[i]``:
+    "AB" together, "A,B" or "B,A" apart in that order; each call names its parts (``set_call_rows``) unless
+    ``rows`` is False."""
+    halves = {"A": slice(0, 2), "B": slice(2, 4)}
+    tome_core.apply_patch(unet, method="cache")
+    out = []
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        tome_core.set_progress(unet, (i + 0.5) / len(xs))
+        got = {}
+        for call in layouts[i].split(","):
+            index = torch.cat([torch.arange(4)[halves[name]] for name in call])
+            if rows:
+                tome_core.set_call_rows(unet, tuple(call))
+            y = run(unet, x[index], t[index], c[index])
+            for name, part in zip(call, y.chunk(len(call))):
+                got[name] = part
+        out.append(torch.cat([got["A"], got["B"]]))
+    tome_core.remove_patch(unet)
+    return out
+
+
+def test_named_parts_keep_their_own_state_however_the_host_splits_and_orders_its_calls():
+    """ComfyUI batches cond and uncond together or runs them apart by its free memory, and that can change from
+    one step to the next: with each part named, every step takes what the same part kept, whatever the layout."""
+    unet = tiny_unet("sdxl")
+    xs, ts, c = _trajectory(batch=4)
+    together = _named_run(unet, xs, ts, c, ["AB"] * STEPS)
+    mixed = ["AB", "B,A", "A,B", "B,A", "AB", "BA"]  # the reused steps 2, 4 and 5 each laid out otherwise
+    named = _named_run(unet, xs, ts, c, mixed)
+    for a, b in zip(together, named):
+        assert torch.allclose(a, b, atol=1e-5)
+    # Not vacuous: placed by slot alone, a reused step whose layout changed runs on another call's state.
+    unnamed = _named_run(unet, xs, ts, c, mixed, rows=False)
+    assert not torch.allclose(unnamed[2], together[2], atol=1e-3)
+
+
+def test_a_named_parts_second_evaluation_in_a_step_takes_its_own_state():
+    """A second-order sampler evaluates each part twice in a step (the same progress): the second occurrence of
+    a name is its own part, as the second call slot is, whichever way the parts were batched."""
+    unet = tiny_unet("sd1")
+    xs, ts, c = _trajectory(batch=2)
+    second = [x.flip(0) * 0.9 for x in xs]
+    oracle = Oracle(unet)
+    want = []
+    for i in range(STEPS):
+        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
+        for slot, x in enumerate((xs[i], second[i])):
+            oracle.slot = slot
+            want.append(run(unet, x, ts[i], c))  # the oracle keeps per row: both rows in one call
+    oracle.remove()
+    tome_core.apply_patch(unet, method="cache")
+    got = []
+    for i in range(STEPS):
+        tome_core.set_progress(unet, (i + 0.5) / STEPS)
+        for x in (xs[i], second[i]):
+            if i % 2:  # the two rows in one call
+                tome_core.set_call_rows(unet, ("cond", "uncond"))
+                got.append(run(unet, x, ts[i], c))
+            else:  # apart, uncond first
+                parts = {}
+                for row, name in ((1, "uncond"), (0, "cond")):
+                    tome_core.set_call_rows(unet, (name,))
+                    parts[row] = run(unet, x[row:row + 1], ts[i][row:row + 1], c[row:row + 1])
+                got.append(torch.cat([parts[0], parts[1]]))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+
+
+def test_call_rows_are_checked_and_told_for_one_call_only():
+    unet = tiny_unet("sd1")
+    tome_core.apply_patch(unet, method="cache")
+    with pytest.raises(ValueError, match="rows"):
+        tome_core.set_call_rows(unet, ())
+    with pytest.raises(TypeError):
+        tome_core.set_call_rows(unet, ([0],))
+    x, t, c = inputs(2, 16, 16)
+    tome_core.set_progress(unet, 0.1)
+    tome_core.set_call_rows(unet, ("cond", "uncond"))
+    run(unet, x, t, c)
+    assert tome_core.get_patch(unet).clock.chunks == (("cond", 0), ("uncond", 0))
+    run(unet, x, t, c)  # told nothing: placed by its slot
+    assert tome_core.get_patch(unet).clock.chunks is None and tome_core.get_patch(unet).clock.slot == 1
+    tome_core.set_call_rows(tiny_unet("sd1"), ("cond",))  # a model without the patch ignores it
+
+
 def test_without_progress_the_timestep_tells_the_steps():
     unet = tiny_unet("sd1")
     xs, ts, c = _trajectory(batch=2)

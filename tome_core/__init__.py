@@ -8,6 +8,7 @@ Pure PyTorch: nothing here imports the webui, gradio, ldm, sgm or diffusers. Pub
     remove_patch(model)                  # exact restore
     patched_blocks(model)                # what a patch acts on (PatchedBlock: name, level, block, attn1)
     set_progress(model, 0.3)             # sampling progress, for the step window (and level plan reuse)
+    set_call_rows(model, rows)           # what the next call's batch holds (cond, uncond ...), for Cache
 """
 
 from .local import LocalPlan, plan_local
@@ -16,12 +17,12 @@ from .merge import MergePlan, downsample_tokens, plan_merge
 from .methods import METHODS, Method, method_named
 from .options import MergeOptions, effective_ratio, ratio_cap
 from .patch import (PatchedBlock, apply_patch, get_patch, is_patched, patched_blocks, remove_patch, resolve_unet,
-                    set_progress, start_afresh)
+                    set_call_rows, set_progress, start_afresh)
 
 __all__ = [
     "LocalPlan", "METHODS", "MergeOptions", "MergePlan", "Method", "PatchedBlock", "StackPlan", "apply_patch",
     "downsample_tokens", "effective_ratio", "get_patch", "is_patched", "method_named", "patched_blocks", "plan_local",
-    "plan_merge", "plan_stack", "ratio_cap", "remove_patch", "resolve_unet", "set_progress",
+    "plan_merge", "plan_stack", "ratio_cap", "remove_patch", "resolve_unet", "set_call_rows", "set_progress",
     "start_afresh",
 ]
 __version__ = "1.0.0"

@@ -90,6 +90,9 @@ class TokenMergePatch:
         self.options = options
         self.method: Method = method_named(options.method)
         self.progress: float | None = None
+        # What the host said the next U-Net call's batch is made of (``set_call_rows``), and this call's.
+        self.next_rows: tuple | None = None
+        self.rows: tuple | None = None
         self.clock = CallClock()
         self._handles: list = []
         # (attn1, the forward this patch set on it): modules whose calls this patch computes itself.
@@ -181,7 +184,8 @@ class TokenMergePatch:
     # -- per call -----------------------------------------------------------------------------------------
 
     def _begin_call(self, module, args, kwargs):
-        self.clock.tick(self.progress)
+        self.rows, self.next_rows = self.next_rows, None
+        self.clock.tick(self.progress, self.rows)
         self.method_patch.begin_call(args, kwargs)
 
     def acts_on(self, rec: BlockRecord, x: Any) -> bool:
@@ -313,6 +317,26 @@ def start_afresh(model: Any) -> None:
     patch = get_patch(model)
     if patch is not None:
         patch.method_patch.start_afresh()
+
+
+def set_call_rows(model: Any, rows: Any) -> None:
+    """Tell the patch what the next U-Net call's batch is made of: ``rows`` has one hashable per equal part of
+    the batch, in order (ComfyUI: cond or uncond and the condition's id), or is None (not told).
+
+    What a method keeps between calls (Cache) is then kept per part and found again by that name, whether the
+    host runs the parts in one call or apart, in any order, so an image never depends on how its host split
+    the calls. Told for one call only: a call the host says nothing about is placed by its slot. A model
+    without our patch ignores it.
+    """
+    if rows is not None:
+        rows = tuple(rows)
+        if not rows:
+            raise ValueError("rows must name at least one part of the batch, or be None")
+        for row in rows:
+            hash(row)  # TypeError for an unhashable name, before anything is kept under it
+    patch = get_patch(model)
+    if patch is not None:
+        patch.next_rows = rows
 
 
 def set_progress(model: Any, progress: float | None) -> None:

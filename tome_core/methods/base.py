@@ -117,17 +117,26 @@ class CallClock:
     evaluations) and are numbered by their order in it (``slot``); a lower progress starts a new run
     (``new_run``: a new pass or job). The host's progress rather than the timestep: reading a device timestep
     would make the host wait for the device. Without progress, ``slot`` is None.
+
+    Where the host says what each equal part of a call's batch is (``rows``: one hashable per part, such as
+    ComfyUI's cond or uncond and the condition's id), ``chunks`` names each part by that and by how many parts
+    of the same name came earlier in the evaluation (a second-order sampler's second evaluation of a step is
+    the second occurrence). Unlike the slot, a chunk's name does not depend on whether the host ran the parts
+    in one call or in several, nor in which order.
     """
 
     def __init__(self) -> None:
         self.evaluation = -1
         self.slot: int | None = None
+        self.chunks: tuple[tuple[Any, int], ...] | None = None
         self.new_run = False
         self._last_progress: float | None = None
+        self._seen: dict[Any, int] = {}
 
-    def tick(self, progress: float | None) -> None:
-        """A new U-Net call at sampling ``progress``."""
+    def tick(self, progress: float | None, rows: tuple | None = None) -> None:
+        """A new U-Net call at sampling ``progress``, its batch made of ``rows`` (see the class) if told."""
         self.new_run = False
+        self.chunks = None
         if progress is None:
             self.slot = None
             return
@@ -138,6 +147,14 @@ class CallClock:
         else:
             self.evaluation, self.slot = self.evaluation + 1, 0
         self._last_progress = progress
+        if self.slot == 0:
+            self._seen = {}
+        if rows is not None:
+            chunks = []
+            for row in rows:
+                chunks.append((row, self._seen.get(row, 0)))
+                self._seen[row] = chunks[-1][1] + 1
+            self.chunks = tuple(chunks)
 
 
 class BlockRecord:

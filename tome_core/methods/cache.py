@@ -22,8 +22,10 @@ skipped on 15 steps of 20 costs a few additions per token instead.
 - What is kept is the transformer's input and output at its boundary (norm, projections, every block and the
   residual inside), and its gain (``fitted_gain``: how much of an input's move the output follows; 1 before a
   second full call), per batch row and per call slot (the order of a U-Net call within its sampling evaluation:
-  cond and uncond apart, a second-order sampler's two evaluations of a step), so an image never depends on
-  the batch it was made in, and a reused call takes what the same kind of call kept.
+  cond and uncond apart, a second-order sampler's two evaluations of a step), or where the host names the parts
+  of a call's batch (``set_call_rows``: ComfyUI's cond and uncond and each condition) per named part, so an
+  image never depends on the batch it was made in nor on how the host split its calls, and a reused call takes
+  what the same kind of call kept.
 - A new run (progress or timestep going back: a new pass, a new job), a new image size or batch layout, and a
   restore each start afresh: nothing kept is ever applied to a call it was not made for.
 - ControlNet's residuals and anything else outside the stacks change every step as usual: what is kept is only
@@ -122,23 +124,28 @@ class CachedTransformer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
         x = first_arg(args, kwargs, owner.patch.family.tokens_keyword)
-        if not (isinstance(x, torch.Tensor) and x.dim() == 4) or owner.slot is None:
+        parts = owner.parts
+        if not (isinstance(x, torch.Tensor) and x.dim() == 4) or parts is None or x.shape[0] % len(parts):
             return self.run(*args, **kwargs)
-        key = (owner.slot, self.index)
-        kept = owner.kept.get(key)
-        if kept is not None and not kept.fits(x):
-            kept = None
-        if owner.reusing and kept is not None:
-            return _like(kept.form, kept.reused(x))
+        keys = [(part, self.index) for part in parts]
+        xs = x.chunk(len(parts)) if len(parts) > 1 else (x,)
+        kept = [owner.kept.get(key) for key in keys]
+        kept = [k if k is not None and k.fits(xi) else None for k, xi in zip(kept, xs)]
+        if owner.reusing and all(k is not None for k in kept) and len({k.form for k in kept}) == 1:
+            reused = [k.reused(xi) for k, xi in zip(kept, xs)]
+            return _like(kept[0].form, reused[0] if len(reused) == 1 else torch.cat(reused))
         output = self.run(*args, **kwargs)
         y = _tensor_of(output)
         if y is not None and y.shape == x.shape:  # a full call: also one nothing kept fitted
-            x, y = x.detach(), y.detach()
-            gain = 1.0 if kept is None else fitted_gain(kept, x, y)
-            # Copies: a host may add to these tensors in place after the call (ControlNet's residuals in Forge).
-            owner.kept[key] = _Kept(x.clone(), y.clone(), gain, _form_of(output))
+            ys = y.detach().chunk(len(parts)) if len(parts) > 1 else (y.detach(),)
+            for key, before, xi, yi in zip(keys, kept, xs, ys):
+                xi = xi.detach()
+                gain = 1.0 if before is None else fitted_gain(before, xi, yi)
+                # Copies: a host may add to these tensors in place after the call (ControlNet's residuals in Forge).
+                owner.kept[key] = _Kept(xi.clone(), yi.clone(), gain, _form_of(output))
         else:  # an output of another shape: nothing stale stays
-            owner.kept.pop(key, None)
+            for key in keys:
+                owner.kept.pop(key, None)
         return output
 
 
@@ -168,11 +175,13 @@ def _timestep_of(timestep: Any) -> float | None:
 class CachePatch(MethodPatch):
     def __init__(self, patch) -> None:
         super().__init__(patch)
-        self.kept: dict[tuple[int, int], _Kept] = {}
+        # By (part, stack index): a part is the call's slot, or where the host names the parts of its batch
+        # (``set_call_rows``) each part's name and occurrence in the evaluation (``CallClock.chunks``).
+        self.kept: dict[tuple[Any, int], _Kept] = {}
         self._own: list[tuple[nn.Module, CachedTransformer]] = []
         # Where no progress is told: calls at one timestep are one evaluation, a higher one starts a run.
         self._timesteps = CallClock()
-        self.slot: int | None = None  # this call's slot in its evaluation; None: run as unpatched
+        self.parts: tuple | None = None  # what this call's batch is kept as, in order; None: run as unpatched
         self.reusing = False  # this call takes what was kept (where it fits)
         # U-Net calls since the patch was made that the schedule runs whole, and that it reuses on (a call it
         # reuses on whose stacks have nothing kept that fits, the first at a new size, still runs them whole).
@@ -193,14 +202,14 @@ class CachePatch(MethodPatch):
         if clock.slot is None:  # no progress told: the timestep places the call
             clock = self._timesteps
             t = _timestep_of(slot_value(args, kwargs, *patch.family.timestep_slot))
-            clock.tick(None if t is None else -t)
+            clock.tick(None if t is None else -t, patch.rows)
         if clock.slot is None:
-            self.slot, self.reusing = None, False
+            self.parts, self.reusing = None, False
             return
         if clock.new_run:
             self.kept.clear()
         full = is_full_step(clock.evaluation, o.cache_warmup, o.cache_interval)
-        self.slot = clock.slot
+        self.parts = clock.chunks if clock.chunks is not None else (clock.slot,)
         self.reusing = not full and o.in_window(patch.progress)
         if self.reusing:
             self.scheduled_reuses += 1
