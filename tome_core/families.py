@@ -260,3 +260,30 @@ def nothing_to_patch(root: nn.Module) -> ValueError:
     return ValueError(f"model {type(root).__name__} has no transformer blocks to merge: the engine patches ldm/sgm "
                       f"U-Nets (SpatialTransformer) and diffusers U-Nets (Transformer2DModel) with "
                       f"BasicTransformerBlocks")
+
+
+# -- model layouts and the settings recommended for each ----------------------------------------------------------
+
+SD_LAYOUT, SDXL_LAYOUT = "sd", "sdxl"
+
+RECOMMENDED: dict[str, dict[str, Any]] = {
+    # ToDo factor 2: the README's choice for SD 1.x and 2.x at every size where merging gains (ToMe-at-0.75
+    # speed, closer final pictures than the paper's ToMe at 0.25 and 0.5 on every SD 1.5-layout proxy).
+    SD_LAYOUT: {"method": "todo", "todo_factor": 2},
+    # Cache at its defaults: the README's choice for SDXL (1.8x to 2.0x over a 20- or 30-step run at 1024 px).
+    SDXL_LAYOUT: {"method": "cache"},
+}
+"""The settings the README recommends per model layout, beyond the defaults: what a host's simple form
+("Recommended") runs. A method other than these is the user's choice, made in the host's own form."""
+
+
+def model_layout(model: Any) -> str:
+    """``SDXL_LAYOUT`` when the U-Net's highest-resolution attention level lies below the latent's resolution
+    (SDXL: no attention at its first level), else ``SD_LAYOUT`` (SD 1.x and 2.x). Raises as ``resolve_unet``
+    does, and ValueError (``nothing_to_patch``) for a model with no transformer to merge."""
+    root = resolve_unet(model)
+    family = family_of(root)
+    levels = sorted({level for _, _, level in family.transformer_levels(root)}) if family is not None else []
+    if not levels:
+        raise nothing_to_patch(root)
+    return SDXL_LAYOUT if levels[0] > 0 else SD_LAYOUT

@@ -19,6 +19,7 @@ webui's built-in ``tomesd.remove_patch`` and ours never undo each other.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -281,6 +282,23 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
         raise
     setattr(root, PATCH_ATTR, patch)
     return model
+
+
+def check_patch(model: Any, **options: Any) -> tuple[PatchedBlock, ...]:
+    """The blocks ``apply_patch(model, **options)`` would act on (empty where its levels select none), without
+    touching ``model``: raises exactly as ``apply_patch`` would (unknown or bad options, a model with nothing to
+    patch or not in memory). For a host that checks a setting where the user makes it, long before a run."""
+    keywords = {name: param.default for name, param in inspect.signature(apply_patch).parameters.items()
+                if param.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = [name for name in options if name not in keywords]
+    if unknown:
+        allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
+        raise TypeError(f"apply_patch got unknown option(s) {', '.join(map(repr, unknown))}; the options are: "
+                        f"{allowed}")
+    merged = MergeOptions(**{**keywords, **options})
+    root = resolve_unet(model)
+    check_loaded(root)
+    return TokenMergePatch(root, merged).blocks
 
 
 def remove_patch(model: Any) -> Any:
