@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need on a fresh machine with Python 3.11 (a venv in .venv with pinned
-# packages, Debian's chromium for the browser test) and runs the whole suite. Extra arguments go to pytest.
+# packages, Debian's chromium for the browser tests, the pinned ComfyUI in .comfyui) and runs the whole suite: the
+# engine and the WebUI glue in .venv, then the ComfyUI node pack in ComfyUI's environment. Extra arguments go to
+# the first pytest run alone, and then the ComfyUI run is left out (run it with the last line's command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,5 +17,13 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "chromium is missing and this is not root: install Debian's chromium for the browser test" >&2
   fi
 fi
-# pytest exits non-zero on any failure and with 5 when nothing was collected, so both fail the run.
-exec .venv/bin/python -m pytest tests "$@"
+# The ComfyUI node pack's tests run in ComfyUI's own environment (.comfyui/, made by tests/comfyui/setup.sh from the
+# pinned copy in ../shared/comfyui): ComfyUI needs pydantic 2, the WebUI tests gradio 3.41's pydantic 1.
+bash tests/comfyui/setup.sh
+# pytest exits non-zero on any failure and with 5 when nothing was collected, so both fail the run; both runs run.
+status=0
+.venv/bin/python -m pytest tests "$@" || status=$?
+if [ $# -eq 0 ]; then
+  TOKENMERGE_COMFYUI_RUN=1 .comfyui/venv/bin/python -m pytest tests/comfyui || status=$?
+fi
+exit $status

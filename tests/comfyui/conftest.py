@@ -53,3 +53,12 @@ def builtin_nodes():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One ComfyUI server for the session's HTTP and browser tests (``comfy_server``)."""
+    from comfy_server import start_server
+    running = start_server(str(tmp_path_factory.mktemp("comfyui-output")))
+    yield running
+    running.stop()
