@@ -470,3 +470,19 @@ def test_recommended_is_todo_for_sd15_and_cache_for_sdxl(pack):
         model = tiny_model(layout)
         recommended = ksample(simple().patch(model, "Recommended", 0.5)[0], layout)
         assert torch.equal(recommended, ksample(advanced(pack, model, method=method), layout))
+
+
+def test_the_pack_describes_itself_as_comfyui_and_its_manager_read_it(pack):
+    """ComfyUI reads pyproject.toml's [tool.comfy] when it loads the clone; ComfyUI-Manager lists a pack's nodes
+    from node_list.json where it cannot import them."""
+    import json
+    import os
+
+    from comfy_config import config_parser
+
+    from conftest import ROOT
+    config = config_parser.extract_node_configuration(ROOT)
+    assert config is not None and config.tool_comfy.display_name.startswith("Token Merging")
+    with open(os.path.join(ROOT, "node_list.json"), encoding="utf-8") as file:
+        listed = json.load(file)
+    assert set(listed) == set(pack.NODE_CLASS_MAPPINGS) == set(nodes.NODE_DISPLAY_NAME_MAPPINGS) & set(listed)
