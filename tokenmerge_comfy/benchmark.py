@@ -6,8 +6,8 @@ Run it with ComfyUI's environment, on a quiet machine (it prints a table; nothin
 
     .comfyui/venv/bin/python tokenmerge_comfy/benchmark.py --comfyui .comfyui/ComfyUI [--layout sd15 --size 512]
 
-Per layout it times, over the same steps: ComfyUI plain, ComfyUI with the node (per method), the engine's loop
-plain and patched. The node's overhead per run is what ComfyUI adds over the engine's loop with the node, less
+Per layout it times, over the same steps and in interleaved rounds (the median shown): ComfyUI plain, ComfyUI
+with the node (per method), the engine's loop plain and patched. The node's overhead per run is what ComfyUI adds over the engine's loop with the node, less
 what it adds without it.
 """
 
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -110,6 +111,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", type=int, action="append", help="image size in px per layout (default 512)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--methods", default="ToMe,Cache")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each timing every run once (median shown)")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.abspath(args.comfyui))
     import comfy.cli_args
@@ -127,27 +129,34 @@ def main(argv=None) -> None:
     layouts = args.layout or ["sd15", "sdxl"]
     sizes = args.size or [512] * len(layouts)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} Euler steps, cfg 7 "
-          f"(cond and uncond in one call)")
+          f"(cond and uncond in one call), median of {args.rounds} interleaved rounds")
     print("| layout | size | method | ComfyUI plain s | ComfyUI node s | speed-up | engine plain s | engine patched s "
           "| speed-up | node overhead s |")
     print("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|")
     for layout, size in zip(layouts, sizes):
         model = build(layout)
         comfy_run(model, layout, 256, 2)  # a warm-up run: ComfyUI loads the model, the allocator settles
-        comfy_plain = comfy_run(model, layout, size, args.steps)
-        engine_plain = engine_run(model, layout, size, args.steps, engine, None)
-        for method in args.methods.split(","):
-            settings = engine.settings.TokenMergeSettings(enabled=True, **{**defaults, "method": method})
-            merged = node().patch(model, **{**defaults, "method": method})[0]
-            comfy_node = comfy_run(merged, layout, size, args.steps)
-            engine_patched = engine_run(model, layout, size, args.steps, engine,
-                                        settings.engine_options(hires=False, seed=1))
+        methods = args.methods.split(",")
+        merged = {m: node().patch(model, **{**defaults, "method": m})[0] for m in methods}
+        options = {m: engine.settings.TokenMergeSettings(enabled=True, **{**defaults, "method": m})
+                   .engine_options(hires=False, seed=1) for m in methods}
+        times: dict[str, list[float]] = {}
+        for _ in range(args.rounds):  # interleaved, so that a slow spell of the machine touches every run alike
+            times.setdefault("comfy plain", []).append(comfy_run(model, layout, size, args.steps))
+            times.setdefault("engine plain", []).append(engine_run(model, layout, size, args.steps, engine, None))
+            for m in methods:
+                times.setdefault(f"comfy {m}", []).append(comfy_run(merged[m], layout, size, args.steps))
+                times.setdefault(f"engine {m}", []).append(
+                    engine_run(model, layout, size, args.steps, engine, options[m]))
+        median = {k: statistics.median(v) for k, v in times.items()}
+        for m in methods:
+            comfy_plain, comfy_node = median["comfy plain"], median[f"comfy {m}"]
+            engine_plain, engine_patched = median["engine plain"], median[f"engine {m}"]
             overhead = (comfy_node - engine_patched) - (comfy_plain - engine_plain)
-            print(f"| {layout} | {size} | {method} | {comfy_plain:.1f} | {comfy_node:.1f} | "
+            print(f"| {layout} | {size} | {m} | {comfy_plain:.1f} | {comfy_node:.1f} | "
                   f"{comfy_plain / comfy_node:.2f}x | {engine_plain:.1f} | {engine_patched:.1f} | "
                   f"{engine_plain / engine_patched:.2f}x | {overhead:+.1f} |", flush=True)
-        del model
-
+        del model, merged
 
 if __name__ == "__main__":
     main()

@@ -174,7 +174,22 @@ class SamplingWrapper:
             return executor(*args, **kwargs)
         finally:
             guider.model_options = own_options
+            _report_foreign_calls(tome_core.get_patch(unet))
             run.__exit__(None, None, None)
+
+
+def _report_foreign_calls(patch: Any) -> None:
+    """One console line where other code kept some block calls from merging (an attn1 replacement, attention
+    on a part of the batch): the picture is right, those calls ran exact attention."""
+    if patch is None:
+        return
+    if patch.unused_plans:
+        log.info("[ToMe] %d block calls ran without merging: another node replaced or reshaped their "
+                 "self-attention (an attn1 replacement ...), so those calls computed exact attention",
+                 patch.unused_plans)
+    elif patch.unmerged_calls:
+        log.info("[ToMe] %d extra self-attention calls by another node (on a part of the batch or on tiled "
+                 "tokens) ran exact attention; the ordinary calls were merged", patch.unmerged_calls)
 
 
 class _CallWrapper:

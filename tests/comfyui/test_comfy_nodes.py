@@ -206,6 +206,30 @@ def test_custom_sigmas_and_a_partial_denoise_count_their_own_steps(pack):
     assert len(log.calls) >= steps and log.calls[0][0] == pytest.approx(0.5 / len(log.calls))
 
 
+@pytest.mark.parametrize("scheduler", ["karras", "exponential", "sgm_uniform", "simple", "ddim_uniform", "beta"])
+def test_every_scheduler_gives_each_step_its_progress(pack, scheduler):
+    model = tiny_model("sd15")
+    merged_model = advanced(pack, model, method="Cache")
+    log = CallLog(pack, merged_model)
+    nodes.common_ksampler(merged_model, 1, 5, 7.0, "dpm_2", scheduler, conditioning("sd15", 10),
+                          conditioning("sd15", 20), latent())
+    log.remove()
+    # The schedule the KSampler runs (for DPM2 it drops a penultimate sigma; with ddim_uniform that leaves a step
+    # more than asked).
+    sigmas = comfy.samplers.KSampler(model, steps=5, device="cpu", sampler="dpm_2", scheduler=scheduler).sigmas
+    assert_progress([call[0] for call in log.calls], "dpm_2", len(sigmas) - 1)
+
+
+def test_the_step_window_follows_the_runs_progress(pack):
+    """A window no evaluation's step lies in (the last of 6 steps is at progress 11/12) leaves the run plain, bit
+    for bit; the second half merges."""
+    model = tiny_model("sd15")
+    plain = ksample(model, "sd15")
+    assert torch.equal(ksample(advanced(pack, model, method="ToMe", step_start=0.95, step_end=1.0), "sd15"), plain)
+    late = ksample(advanced(pack, model, method="ToMe", step_start=0.5), "sd15")
+    assert not torch.equal(late, plain)
+
+
 def _full_stack_steps(pack, model, sampler: str, steps: int) -> list[int]:
     """The steps at which a stack Cache selects ran its blocks (a hook on its first block)."""
     engine = pack.tome_core
@@ -353,10 +377,15 @@ def test_lora_weight_patches_apply_under_the_node(pack):
 
 
 def test_attention_patches_and_replacements_still_run_under_the_node(pack):
-    """IP-Adapter-style patches: an attn2 output patch and an attn2 replacement on every block, as
-    ``set_model_attn2_output_patch`` and ``set_model_attn2_replace`` install them."""
+    """IP-Adapter-style patches: an attn1 patch (on queries, keys and values), an attn2 output patch and an attn2
+    replacement on every block, as ``set_model_attn1_patch``, ``set_model_attn2_output_patch`` and
+    ``set_model_attn2_replace`` install them."""
     model = tiny_model("sd15")
-    seen = {"output": 0, "replace": 0}
+    seen = {"output": 0, "replace": 0, "attn1": 0}
+
+    def attn1_patch(q, k, v, extra_options):
+        seen["attn1"] += 1
+        return q, k * 0.98, v
 
     def output_patch(n, extra_options):
         seen["output"] += 1
@@ -368,17 +397,37 @@ def test_attention_patches_and_replacements_still_run_under_the_node(pack):
         return weights @ v
 
     patched = model.clone()
+    patched.set_model_attn1_patch(attn1_patch)
     patched.set_model_attn2_output_patch(output_patch)
     for block in ("input", "output"):
         for index in ((1, 2) if block == "input" else (2, 3, 4, 5)):
             patched.set_model_attn2_replace(replacement, block, index)
     plain = ksample(patched, "sd15")
     without = dict(seen)
-    seen.update(output=0, replace=0)
+    seen.update(output=0, replace=0, attn1=0)
     merged = ksample(advanced(pack, patched, method="ToMe"), "sd15")
-    assert seen == without and seen["replace"] > 0 and seen["output"] > 0
+    assert seen == without and seen["replace"] > 0 and seen["output"] > 0 and seen["attn1"] > 0
     assert not torch.equal(merged, plain)
     assert torch.equal(ksample(patched, "sd15"), plain)
+
+
+def test_an_attn1_replacement_leaves_its_blocks_unmerged_and_says_so(pack, caplog):
+    """A node that replaces self-attention (``set_model_attn1_replace``) runs instead of the attention ToMe merges:
+    those blocks compute exact attention, and one console line says how many calls did."""
+    model = tiny_model("sd15")
+    replaced = model.clone()
+    calls = []
+
+    def replacement(q, k, v, extra_options):
+        calls.append(q.shape)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return weights @ v
+    replaced.set_model_attn1_replace(replacement, "input", 1)
+    with caplog.at_level(logging.INFO):
+        ksample(advanced(pack, replaced, method="ToMe"), "sd15")
+    assert calls and all(shape[-2] == 32 * 32 for shape in calls)  # whole, never merged tokens
+    lines = [r.getMessage() for r in caplog.records if "ran without merging" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(f"[ToMe] {len(calls)} block calls ran without merging")
 
 
 def test_a_two_pass_hires_workflow_patches_each_pass_for_itself(pack):
