@@ -172,12 +172,13 @@ def test_an_image_does_not_depend_on_its_batch_nor_on_cond_and_uncond_together_o
         assert torch.allclose(a, b, atol=1e-5) and torch.allclose(a[2:3], one, atol=1e-5)
 
 
-def test_two_calls_a_step_each_reuse_their_own_slots_change():
-    """A second-order sampler's two evaluations of a step (the same progress) are slots 0 and 1: each reused
-    call takes the change of the call in its own slot, never the other's."""
+def _two_evaluations_a_step():
+    """A U-Net, a run, a second input at each step (as Heun's corrector has) and the oracle's outputs for the two
+    evaluations of each step, each kept in its own slot (the oracle keeps per row: both rows in one call); the
+    U-Net then patched with Cache."""
     unet = tiny_unet("sd1")
     xs, ts, c = _trajectory(batch=2)
-    second = [x.flip(0) * 0.9 for x in xs]  # another input at each step, as Heun's corrector has
+    second = [x.flip(0) * 0.9 for x in xs]
     oracle = Oracle(unet)
     want = []
     for i in range(STEPS):
@@ -187,6 +188,13 @@ def test_two_calls_a_step_each_reuse_their_own_slots_change():
             want.append(run(unet, x, ts[i], c))
     oracle.remove()
     tome_core.apply_patch(unet, method="cache")
+    return unet, xs, ts, c, second, want
+
+
+def test_two_calls_a_step_each_reuse_their_own_slots_change():
+    """A second-order sampler's two evaluations of a step (the same progress) are slots 0 and 1: each reused
+    call takes the change of the call in its own slot, never the other's."""
+    unet, xs, ts, c, second, want = _two_evaluations_a_step()
     got = []
     for i in range(STEPS):
         tome_core.set_progress(unet, (i + 0.5) / STEPS)
@@ -234,18 +242,7 @@ def test_named_parts_keep_their_own_state_however_the_host_splits_and_orders_its
 def test_a_named_parts_second_evaluation_in_a_step_takes_its_own_state():
     """A second-order sampler evaluates each part twice in a step (the same progress): the second occurrence of
     a name is its own part, as the second call slot is, whichever way the parts were batched."""
-    unet = tiny_unet("sd1")
-    xs, ts, c = _trajectory(batch=2)
-    second = [x.flip(0) * 0.9 for x in xs]
-    oracle = Oracle(unet)
-    want = []
-    for i in range(STEPS):
-        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
-        for slot, x in enumerate((xs[i], second[i])):
-            oracle.slot = slot
-            want.append(run(unet, x, ts[i], c))  # the oracle keeps per row: both rows in one call
-    oracle.remove()
-    tome_core.apply_patch(unet, method="cache")
+    unet, xs, ts, c, second, want = _two_evaluations_a_step()
     got = []
     for i in range(STEPS):
         tome_core.set_progress(unet, (i + 0.5) / STEPS)

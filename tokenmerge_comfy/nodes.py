@@ -247,21 +247,27 @@ def with_token_merging(model: Any, settings: tm.TokenMergeSettings, recommended:
     return clone
 
 
-class TokenMerging:
+class _ModelPatchNode:
+    """What both nodes are to ComfyUI: a MODEL in, one out, listed with its model patches."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    MODEL_INPUT = ("MODEL", {"tooltip": "The model to sample with token merging."})
+
+
+class TokenMerging(_ModelPatchNode):
     """The simple form: a method (or the settings recommended for the model) and a ratio."""
 
     DESCRIPTION = ("Token merging for every sampling run with this model: faster and lighter at high resolutions. "
                    "Recommended picks the settings measured best for the model: ToDo factor 2 for SD 1.x and 2.x, "
                    "Cache for SDXL.")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
         method = tm.PARAM["method"]
         return {"required": {
-            "model": ("MODEL", {"tooltip": "The model to sample with token merging."}),
+            "model": cls.MODEL_INPUT,
             "method": ([RECOMMENDED, *method.choices], {
                 "default": RECOMMENDED,
                 "tooltip": f"{RECOMMENDED}: ToDo factor 2 for SD 1.x and 2.x, Cache for SDXL. {_tooltip(method)}"}),
@@ -274,19 +280,15 @@ class TokenMerging:
         return (with_token_merging(model, settings, recommended),)
 
 
-class TokenMergingAdvanced:
+class TokenMergingAdvanced(_ModelPatchNode):
     """Every option of every method (each tooltip says which method reads it)."""
 
     DESCRIPTION = ("Token merging for every sampling run with this model, with every option of every method: "
                    "ToMe, ToDo, Local, Stack and Cache.")
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
     def INPUT_TYPES(cls) -> dict:
-        return {"required": {"model": ("MODEL", {"tooltip": "The model to sample with token merging."}),
-                             **{p.key: widget(p) for p in ENGINE_PARAMS}}}
+        return {"required": {"model": cls.MODEL_INPUT, **{p.key: widget(p) for p in ENGINE_PARAMS}}}
 
     def patch(self, model: Any, **values: Any) -> tuple:
         settings = tm.TokenMergeSettings(enabled=True, **values)
