@@ -129,25 +129,17 @@ def _call_rows(transformer_options: dict) -> tuple | None:
 
 
 class SamplingWrapper:
-    """The outer-sample wrapper a node's model clone carries: one sampling run with ``settings`` (or, with
-    ``recommended``, the README's settings for the model's layout at ``settings.ratio``)."""
+    """The outer-sample wrapper a node's model clone carries: one sampling run with ``settings``."""
 
-    def __init__(self, settings: tm.TokenMergeSettings, recommended: bool = False) -> None:
+    def __init__(self, settings: tm.TokenMergeSettings) -> None:
         self.settings = settings
-        self.recommended = recommended
-
-    def settings_for(self, unet: Any) -> tm.TokenMergeSettings:
-        if not self.recommended:
-            return self.settings
-        return tm.TokenMergeSettings(enabled=True, ratio=self.settings.ratio,
-                                     **tome_core.RECOMMENDED[tome_core.model_layout(unet)])
 
     def __call__(self, executor, *args: Any, **kwargs: Any) -> Any:
         bound = {**dict(zip(_OUTER_SAMPLE_ARGS, args)), **kwargs}
         guider = executor.class_obj
         unet = guider.model_patcher.model.diffusion_model
+        settings = self.settings
         try:
-            settings = self.settings_for(unet)
             options = settings.engine_options(hires=False, seed=bound.get("seed"))
             run = tome_core.SamplingRun(unet, options, bound["sigmas"].detach().float().cpu().tolist())
             run.__enter__()
@@ -221,21 +213,20 @@ class _StepReporter:
 # -- the nodes ------------------------------------------------------------------------------------------------
 
 def with_token_merging(model: Any, settings: tm.TokenMergeSettings, recommended: bool = False) -> Any:
-    """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling runs merge with ``settings``; ``model``
-    itself where the settings cannot apply to it (one console line says why)."""
+    """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling runs merge with ``settings`` (with
+    ``recommended``, the README's settings for the model's layout at ``settings.ratio``); ``model`` itself where
+    the settings cannot apply to it (one console line says why)."""
+    unet = model.model.diffusion_model
     try:
-        if recommended:
-            layout = tome_core.model_layout(model.model.diffusion_model)
-            options = tm.TokenMergeSettings(enabled=True, ratio=settings.ratio,
-                                            **tome_core.RECOMMENDED[layout]).engine_options(hires=False, seed=0)
-        else:
-            options = settings.engine_options(hires=False, seed=0)
-        blocks = tome_core.check_patch(model.model.diffusion_model, **options)
+        if recommended:  # the clone's runs sample this U-Net: its layout is known now
+            settings = tm.TokenMergeSettings(enabled=True, ratio=settings.ratio,
+                                             **tome_core.RECOMMENDED[tome_core.model_layout(unet)])
+        blocks = tome_core.check_patch(unet, **settings.engine_options(hires=False, seed=0))
     except (TypeError, ValueError) as error:
         log.warning("[ToMe] the model is passed through unmerged: %s", error)
         return model
     if not blocks:
-        levels = sorted({lv for _, _, lv in tome_core.patch.transformer_levels(model.model.diffusion_model)})
+        levels = sorted({lv for _, _, lv in tome_core.patch.transformer_levels(unet)})
         log.warning("[ToMe] the model is passed through unmerged: Merge levels %s select none of its attention "
                     "levels (max downsample %s)", settings.max_downsample, ", ".join(str(2 ** lv) for lv in levels))
         return model
@@ -243,7 +234,7 @@ def with_token_merging(model: Any, settings: tm.TokenMergeSettings, recommended:
     if clone.get_wrappers(WrappersMP.OUTER_SAMPLE, KEY):
         log.info("[ToMe] an earlier Token Merging node on this model is replaced by this one")
         clone.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, KEY)
-    clone.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, KEY, SamplingWrapper(settings, recommended))
+    clone.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, KEY, SamplingWrapper(settings))
     return clone
 
 

@@ -209,6 +209,11 @@ def _grid_recorder(recs: list[BlockRecord], keyword: str):
 
 # -- public API -----------------------------------------------------------------------------------------------
 
+def _unknown_options(names) -> TypeError:
+    allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
+    return TypeError(f"apply_patch got unknown option(s) {', '.join(map(repr, names))}; the options are: {allowed}")
+
+
 def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = None, sx: int = 2, sy: int = 2,
                 use_rand: bool = True, merge_attn: bool = True, merge_crossattn: bool = False,
                 merge_mlp: bool = False, seed: int | None = None, index_dtype: torch.dtype | None = None,
@@ -261,9 +266,7 @@ def apply_patch(model: Any, *, ratio: float = 0.5, max_downsample: int | None = 
             it is never called by the U-Net call's timestep.
     """
     if unknown:
-        allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
-        raise TypeError(f"apply_patch got unknown option(s) {', '.join(map(repr, unknown))}; the options are: "
-                        f"{allowed}")
+        raise _unknown_options(unknown)
     options = MergeOptions(ratio=ratio, max_downsample=max_downsample, sx=sx, sy=sy, use_rand=use_rand,
                            merge_attn=merge_attn, merge_crossattn=merge_crossattn, merge_mlp=merge_mlp,
                            seed=seed, index_dtype=index_dtype, method=method, todo_factor=todo_factor,
@@ -292,9 +295,7 @@ def check_patch(model: Any, **options: Any) -> tuple[PatchedBlock, ...]:
                 if param.kind is inspect.Parameter.KEYWORD_ONLY}
     unknown = [name for name in options if name not in keywords]
     if unknown:
-        allowed = ", ".join(f.name for f in dataclasses.fields(MergeOptions))
-        raise TypeError(f"apply_patch got unknown option(s) {', '.join(map(repr, unknown))}; the options are: "
-                        f"{allowed}")
+        raise _unknown_options(unknown)
     merged = MergeOptions(**{**keywords, **options})
     root = resolve_unet(model)
     check_loaded(root)
