@@ -39,6 +39,7 @@ class Pipeline:
     alphas_cumprod: (1000,) float64 cumulative alphas of the discrete schedule.
     size: the image side in px the model is meant to be evaluated at (the proxy's 64), or None for SD's own
         (512 px for SD 1.x/2.x, 1024 for SDXL).
+    encode_prompt, prompts: see the fields; ``prompt_contexts`` gives a run's conditioning from them.
     """
 
     name: str
@@ -52,8 +53,21 @@ class Pipeline:
     alphas_cumprod: torch.Tensor = field(default_factory=sd_alphas_cumprod)
     notes: list[str] = field(default_factory=list)  # one line each, for the report (e.g. "no VAE: latents")
     size: int | None = None
+    # A prompted model's text encoder: prompt -> context (1, T, C) as ``context`` is; None where the model takes
+    # no prompt (a checkpoint's text encoder is not run here: its context is the empty prompt's).
+    encode_prompt: Callable[[str], torch.Tensor] | None = None
+    prompts: tuple[str, ...] = ()  # what a fidelity run's images are asked for, in turn (none: the empty prompt)
 
     @property
     def label(self) -> str:
         """The name up to its first bracket ("proxy (pixel-space ...)" -> "proxy"), for tables and charts."""
         return self.name.split(" (")[0].strip() or self.name
+
+
+def prompt_contexts(pipe: Pipeline, images: int, shift: int = 0) -> torch.Tensor | None:
+    """(images, T, C): the conditioning of a run's ``images`` pictures, ``pipe.prompts`` in turn from the
+    ``shift``-th (another shift: each picture asked for something else); None where the pipeline has no prompts
+    (its pictures are all asked for by the empty prompt, ``pipe.context``)."""
+    if pipe.encode_prompt is None or not pipe.prompts:
+        return None
+    return torch.cat([pipe.encode_prompt(pipe.prompts[(i + shift) % len(pipe.prompts)]) for i in range(images)])

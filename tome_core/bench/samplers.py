@@ -23,7 +23,8 @@ from .contenders import Wrapped
 from .fidelity import noise_for
 from .loading import load_proxies
 from .metrics import psnr_each
-from .sampling import SAMPLER_LABELS, SAMPLERS, sample
+from .levels import level_name, skipped
+from .sampling import DEFAULT_CFG, SAMPLER_LABELS, SAMPLERS, Guidance, guidance_for, sample
 from .stepwise import (Trajectory, predictions_along, reference_trajectory, relative_error, summed_relative_error,
                        to_db, weighted_relative_error)
 
@@ -54,17 +55,26 @@ def pairs_in_order(final: list[float], figure: list[float]) -> tuple[int, int]:
 
 
 def final_pictures(pipe, noise: torch.Tensor, steps: int, sampler: str, noise_seed: int,
-                   options: dict | None) -> torch.Tensor:
-    """The decoded pictures of one run, patched with ``options`` (None: unmerged)."""
+                   options: dict | None, guidance: Guidance | None = None) -> torch.Tensor:
+    """The decoded pictures of one run, patched with ``options`` (None: unmerged), guided by ``guidance``."""
     wrapped = Wrapped(pipe.unet)
     if options is not None:
         tome_core.apply_patch(wrapped, **options)
     try:
         x = sample(pipe, noise, steps, sampler, noise_seed,
-                   before_step=lambda i, n: tome_core.set_progress(wrapped, (i + 0.5) / n))
+                   before_step=lambda i, n: tome_core.set_progress(wrapped, (i + 0.5) / n), guidance=guidance)
     finally:
         tome_core.remove_patch(wrapped)
     return pipe.decode(x).float().cpu()
+
+
+def acted_levels(pipe, options: dict) -> frozenset[int]:
+    """The levels whose blocks ``options`` act on in ``pipe``'s U-Net (``tome_core.check_patch``)."""
+    return frozenset(block.level for block in tome_core.check_patch(Wrapped(pipe.unet), **options))
+
+
+def _levels(pipe, found: frozenset[int]) -> str:
+    return ", ".join(level_name(pipe, level, pipe.size) for level in sorted(found)) or "none"
 
 
 def one_step_figures(pipe, trajectory: Trajectory, options: dict) -> tuple[list[float], ...]:
@@ -105,13 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
     ap.add_argument("--noise-seed", type=int, default=7, help="Euler a's fresh noise's seed (default 7)")
+    ap.add_argument("--cfg", type=float, default=DEFAULT_CFG,
+                    help=f"classifier-free guidance scale for a prompted proxy (default {DEFAULT_CFG:g}); a proxy "
+                         f"without prompts samples without guidance")
+    ap.add_argument("--apart", action="store_true",
+                    help="cond and uncond in two U-Net calls a step, as a low-memory host runs them (default: "
+                         "one batch, as the webui runs them)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--proxy", nargs="+", metavar="WEIGHTS", default=None,
                     help="proxy weights files (default: every shipped proxy of the layout), e.g. one trained "
                          "from another seed with python -m tome_core.bench.proxy train")
     ap.add_argument("--step-figures", action="store_true",
                     help="also the one-step figures along the unmerged Euler run (every step alike, weighted by "
-                         "each step's move of the sample, and the moves' errors summed)")
+                         "each step's move of the sample, and the moves' errors summed), without guidance")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -125,26 +141,40 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
     print(f"# {' '.join(['python -m tome_core.bench.samplers'] + (argv if argv is not None else sys.argv[1:]))}")
     print(f"# final PSNR dB against the unmerged pictures, median [range] over {args.images} images, "
-          f"{args.steps} steps; each proxy at its evaluation size")
+          f"{args.steps} steps; each proxy at its evaluation size; beside each method, its levels skipped "
+          f"(their transformers return their input): how far the pictures go without those levels' work")
     names = [CONTENDERS[c][0] for c in args.contenders]
-    print("\n| proxy | sampler | " + " | ".join(names) + " |\n|---|---|" + "--:|" * len(names))
+    header = [cell for name in names for cell in (name, "its levels skipped")]
+    print("\n| proxy | sampler | guidance | " + " | ".join(header) + " |\n|---|---|---|" + "--:|" * len(header))
     agreement = []  # per proxy: how each one-step figure orders the contenders against the Euler pictures
     for label, pipe in pipes:
         noise = noise_for(pipe, pipe.size, args.images, args.seed)
+        guidance = guidance_for(pipe, args.images, args.cfg, not args.apart)
+        acts_on = [acted_levels(pipe, CONTENDERS[key][1]) for key in args.contenders]
         euler_final = None
         for sampler in args.samplers:
-            reference = final_pictures(pipe, noise, args.steps, sampler, args.noise_seed, None)
-            each = [psnr_each(final_pictures(pipe, noise, args.steps, sampler, args.noise_seed, CONTENDERS[key][1]),
-                              reference) for key in args.contenders]
+            run = dict(steps=args.steps, sampler=sampler, noise_seed=args.noise_seed, guidance=guidance)
+            reference = final_pictures(pipe, noise, options=None, **run)
+            each = [psnr_each(final_pictures(pipe, noise, options=CONTENDERS[key][1], **run), reference)
+                    for key in args.contenders]
+            deleted: dict[frozenset[int], list[float]] = {}
+            for found in acts_on:
+                if found not in deleted:
+                    with skipped(pipe.unet, found):
+                        deleted[found] = psnr_each(final_pictures(pipe, noise, options=None, **run), reference)
             if sampler == "euler":
                 euler_final = [_median(values) for values in each]
-            print(f"| {label} | {SAMPLER_LABELS[sampler]} | " + " | ".join(map(_cell, each)) + " |", flush=True)
+            cells = [cell for values, found in zip(each, acts_on)
+                     for cell in (_cell(values), f"{_cell(deleted[found])} ({_levels(pipe, found)})")]
+            print(f"| {label} | {SAMPLER_LABELS[sampler]} | {guidance.label if guidance else 'none (no prompt)'} | "
+                  + " | ".join(cells) + " |", flush=True)
         if args.step_figures:
             trajectory, _ = reference_trajectory(pipe, noise, args.steps)
             figures = [one_step_figures(pipe, trajectory, CONTENDERS[key][1]) for key in args.contenders]
             counts = []
             for name, figure in zip(STEP_FIGURES, zip(*figures)):
-                print(f"| {label} | {name} (Euler) | " + " | ".join(_cell(v) for v in figure) + " |", flush=True)
+                print(f"| {label} | {name} (Euler) | none | " + " | ".join(f"{_cell(v)} | –" for v in figure) + " |",
+                      flush=True)
                 if euler_final is not None:
                     counts.append(pairs_in_order(euler_final, [_median(v) for v in figure]))
             if counts:

@@ -117,6 +117,44 @@ LAYOUTS = {
 }
 
 
+# The prompted proxies' recipes (``train --data scenes``): scenes a prompt describes (``scenes``), most steps at
+# the middle size, whose shapes already span the deep level's receptive field, and more at the evaluation size
+# than the photographs' recipe, so every attention level learns its part of the layout where it is measured.
+PROMPTED_STAGES = {
+    "sd15": ((16, 800, 32), (32, 600, 16), (64, 300, 4)),
+    "sdxl": ((32, 600, 16), (64, 600, 8), (128, 150, 2)),
+}
+
+
+class PromptEncoder(nn.Module):
+    """A prompted proxy's text encoder: each of a prompt's ``scenes.PROMPT_WORDS`` words embedded by a learned
+    table, plus a learned vector per slot, so "red" as the first shape's colour and as the second's differ.
+
+    ``forward(tokens (B, PROMPT_WORDS) int64) -> context (B, PROMPT_WORDS, CONTEXT_DIM)``.
+    """
+
+    def __init__(self, vocab: tuple[str, ...]) -> None:
+        from .scenes import PROMPT_WORDS
+
+        super().__init__()
+        self.vocab = tuple(vocab)
+        self.words = nn.Parameter(torch.zeros(len(vocab), CONTEXT_DIM))
+        self.slots = nn.Parameter(torch.zeros(PROMPT_WORDS, CONTEXT_DIM))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.words[tokens] + self.slots
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``text`` (``scenes.Scene.text``'s form; "" the empty prompt) -> context (1, PROMPT_WORDS, CONTEXT_DIM).
+        ValueError (one line) for a prompt it cannot read."""
+        from . import scenes
+
+        backgrounds = tuple(w for w in self.vocab[1:] if w not in scenes.COLOURS and w not in scenes.SHAPES
+                            and w not in scenes.PLACES)
+        with torch.no_grad():
+            return self(scenes.tokens(scenes.parse(text, backgrounds), self.vocab)[None])
+
+
 def layout_of(metadata: dict[str, str]) -> ProxyLayout:
     """The layout a weight file's metadata names ("layout"; files from before SDXL's layout: SD 1.5's)."""
     name = metadata.get("layout", "sd15")
@@ -172,17 +210,43 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     spec = layout_of(metadata)
     use_webui_unet()
     state = {k: v.float() for k, v in load_file(path).items()}
-    context = state.pop("context")
+    encoder = prompt_encoder(metadata, state)
+    context = state.pop("context") if encoder is None else encoder.encode("")
     unet = build_proxy_unet(0, spec.name)
     unet.load_state_dict(state)
     unet = in_run_dtype(unet, torch.device(device), dtype).requires_grad_(False)
     # The SD 1.5-layout proxy is "proxy" in the tables, as it was before the SDXL layout existed.
-    name = ("proxy (pixel-space SD 1.x-layout U-Net trained on photographs)" if spec.name == "sd15" else
-            "SDXL-layout proxy (pixel-space U-Net with SDXL's levels, trained on photographs)")
+    trained_on = "photographs" if encoder is None else "prompted scenes"
+    name = (f"proxy (pixel-space SD 1.x-layout U-Net trained on {trained_on})" if spec.name == "sd15" else
+            f"SDXL-layout proxy (pixel-space U-Net with SDXL's levels, trained on {trained_on})")
+    encode = None if encoder is None else (lambda text: encoder.encode(text).to(device, dtype))
     return Pipeline(name=name, unet=unet,
                     context=context.to(device, dtype), prediction="eps", channels=3, downscale=1,
                     decode=lambda x: ((x.float() + 1) / 2).clamp(0, 1),
-                    notes=["shipped proxy model: ranks methods, not an FID"], size=spec.eval_size)
+                    notes=["shipped proxy model: ranks methods, not an FID"], size=spec.eval_size,
+                    encode_prompt=encode, prompts=() if encoder is None else BENCHMARK_PROMPTS)
+
+
+# What the benchmark's images are asked for, one prompt an image in turn: each names shapes in different places
+# and colours, so a method that loses the prompt or the layout moves the picture.
+BENCHMARK_PROMPTS = (
+    "a red disc on the left and a blue square on the right, on grass",
+    "a yellow triangle at the top, on brick",
+    "a white ring in the centre, on hubble_deep_field",
+    "a green square at the bottom and a purple disc at the top, on coffee",
+    "a black triangle on the right, on moon",
+    "a cyan disc on the left and an orange ring on the right, on gravel",
+)
+
+
+def prompt_encoder(metadata: dict[str, str], state: dict[str, torch.Tensor]) -> PromptEncoder | None:
+    """A prompted proxy's encoder, its weights taken out of ``state`` (``prompt.words``, ``prompt.slots``); None
+    for a proxy trained without prompts (its one learned context is ``state["context"]``)."""
+    if "prompt.words" not in state:
+        return None
+    encoder = PromptEncoder(tuple(json.loads(metadata["vocabulary"])))
+    encoder.load_state_dict({"words": state.pop("prompt.words"), "slots": state.pop("prompt.slots")})
+    return encoder.requires_grad_(False)
 
 
 MAKE_ONE = "make one with: python -m tome_core.bench.proxy train --seed N --out proxy-seedN.safetensors"

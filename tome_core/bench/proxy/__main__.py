@@ -13,9 +13,9 @@ import torch
 
 from ..pipeline import Pipeline
 from ..sampling import euler_sample
-from . import EVAL_SIZE, LAYOUTS, WEIGHTS_FILE, load_proxy
+from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, WEIGHTS_FILE, load_proxy
 from . import __doc__ as MODEL_DOC
-from .training import TrainConfig, save_weights, train
+from .training import TrainConfig, save_weights, train, training_metadata
 
 
 def sample_grid(pipe: Pipeline, rows: int = 4, cols: int = 4, size: int = EVAL_SIZE, steps: int = 25,
@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--stages", default=None,
                          help="comma-separated SIZE:STEPS:BATCH stages (default: "
                               + ",".join(":".join(map(str, s)) for s in TrainConfig.stages) + ")")
+    p_train.add_argument("--data", default="photographs", choices=["photographs", "scenes"],
+                         help="photographs (the unprompted proxies) or scenes: prompted scenes of shapes on the "
+                              "photographs' textures, with its own default stages")
+    p_train.add_argument("--save-every-stage", default=None, metavar="PATTERN",
+                         help="also write the weights after each stage, to PATTERN with {stage} in it")
     p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
     p_samples.add_argument("--weights", default=None)
     p_samples.add_argument("--out", required=True)
@@ -63,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "train":
-        config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout,
-                             stages=LAYOUTS[args.layout].stages)
+        stages = PROMPTED_STAGES[args.layout] if args.data == "scenes" else LAYOUTS[args.layout].stages
+        config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
+                             data=args.data, save_every_stage=args.save_every_stage)
         if args.stages:
             config.stages = tuple(tuple(int(v) for v in s.split(":")) for s in args.stages.split(","))
         start = time.time()
@@ -76,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
         state = train(config, log=log)
         seconds = time.time() - start
-        save_weights(state, args.out, {"seed": str(args.seed), "stages": json.dumps(config.stages),
-                                       "train_seconds": f"{seconds:.0f}", "last_log": losses[-1] if losses else ""},
-                     args.layout)
+        save_weights(state, args.out, {**training_metadata(config), "train_seconds": f"{seconds:.0f}",
+                                       "last_log": losses[-1] if losses else ""}, args.layout)
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB) in {seconds:.0f}s")
     else:
         torch.set_num_threads(args.threads)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..archs import use_webui_unet
 from ..pipeline import sd_alphas_cumprod
-from . import CONTEXT_DIM, CONTEXT_TOKENS, EVAL_SIZE, LAYOUTS, build_proxy_unet
+from . import CONTEXT_DIM, CONTEXT_TOKENS, EVAL_SIZE, LAYOUTS, PromptEncoder, build_proxy_unet, scenes
 
 # Photographs (scikit-image's ``skimage.data`` names; "china" and "flower" are scikit-learn's sample images).
 # Grayscale ones are used as three equal channels.
@@ -42,6 +42,9 @@ class TrainConfig:
     warmup: int = 100
     ema: float = 0.99
     threads: int = 1  # one thread: on a CPU shared with other work, two spin against each other (5× slower)
+    data: str = "photographs"  # or "scenes": prompted scenes (``scenes``) on the photographs' textures
+    drop_prompt: float = 0.1  # scenes: how often a prompt is replaced by the empty one (for guidance)
+    save_every_stage: str | None = None  # a path pattern with {stage}: the EMA weights after each stage
 
 
 def load_photographs(names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -140,8 +143,19 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     pyramids = [pyramid(image) for image in images]
     unet = build_proxy_unet(config.seed, config.layout).train()
     gen = torch.Generator().manual_seed(config.seed)
-    context = nn.Parameter(torch.randn(1, CONTEXT_TOKENS, CONTEXT_DIM, generator=gen))
-    params = list(unet.parameters()) + [context]
+    prompted = config.data == "scenes"
+    if prompted:
+        # The backgrounds are named after the photographs (given ``images`` take the first names in turn), so
+        # every prompted proxy has the same words.
+        backgrounds = TRAIN_IMAGES[:len(images)]
+        encoder = PromptEncoder(scenes.vocabulary(TRAIN_IMAGES))
+        with torch.no_grad():
+            encoder.words.normal_(generator=gen)
+            encoder.slots.normal_(generator=gen)
+        extra = {"prompt.words": encoder.words, "prompt.slots": encoder.slots}
+    else:
+        extra = {"context": nn.Parameter(torch.randn(1, CONTEXT_TOKENS, CONTEXT_DIM, generator=gen))}
+    params = list(unet.parameters()) + list(extra.values())
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     ema = [p.detach().clone() for p in params]
     alphas = sd_alphas_cumprod().float()
@@ -152,10 +166,18 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
             lr = config.lr * min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
             for group in opt.param_groups:
                 group["lr"] = lr
-            x0 = random_crops(pyramids, batch, size, gen)
+            if prompted:
+                x0, said = scenes.scene_batch(pyramids, backgrounds, batch, size, gen, random_crops)
+                dropped = scenes.drop_prompts(batch, config.drop_prompt, gen)
+                words = torch.stack([scenes.tokens(scenes.EMPTY if drop else scene, encoder.vocab)
+                                     for scene, drop in zip(said, dropped)])
+                context = encoder(words)
+            else:
+                x0 = random_crops(pyramids, batch, size, gen)
+                context = extra["context"].expand(batch, -1, -1)
             t = torch.randint(0, len(alphas), (batch,), generator=gen)
             noise = torch.randn(x0.shape, generator=gen)
-            pred = unet(noised(x0, t, noise, alphas), t, context=context.expand(batch, -1, -1))
+            pred = unet(noised(x0, t, noise, alphas), t, context=context)
             loss = F.mse_loss(pred, noise)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -172,8 +194,26 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
                 log(f"step {step}/{total} size {size} loss(last 100) {sum(recent) / len(recent):.4f} "
                     f"lr {lr:.2e} {time.time() - start:.0f}s")
                 recent = []
-    names = [n for n, _ in unet.named_parameters()] + ["context"]
+        if config.save_every_stage:
+            save_weights(_named(unet, extra, ema), config.save_every_stage.format(stage=f"{size}px"),
+                         training_metadata(config), config.layout)
+    return _named(unet, extra, ema)
+
+
+def _named(unet: nn.Module, extra: dict[str, nn.Parameter], ema: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The EMA weights by name: the U-Net's, then the context's or the prompt encoder's."""
+    names = [n for n, _ in unet.named_parameters()] + list(extra)
     return {name: e.clone() for name, e in zip(names, ema)}
+
+
+def training_metadata(config: TrainConfig) -> dict[str, str]:
+    """What a weights file says of its training: the seed, the stages and, for a prompted proxy, its data and
+    the words its prompts are made of (what loading builds its encoder from)."""
+    out = {"seed": str(config.seed), "stages": json.dumps(config.stages)}
+    if config.data == "scenes":
+        out.update(data="scenes", vocabulary=json.dumps(scenes.vocabulary(TRAIN_IMAGES)),
+                   drop_prompt=str(config.drop_prompt))
+    return out
 
 
 def save_weights(state: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None,

@@ -1,0 +1,136 @@
+"""What each attention level contributes to the final pictures, and how much a prompt decides them.
+
+A method that acts on a level the model barely uses cannot be told apart from one that does nothing there, so
+every fidelity figure is worth as much as the levels it touches matter. The measure: the same sampling run with
+one level's transformers skipped (each returns its input, so that level's attention never runs), its final
+pictures' PSNR against the whole model's. A level that matters moves the pictures far: 20 dB or less is the
+bar the proxies are held to (docs/proxy.md). Beside it, from the same noise, how far another prompt moves the
+pictures (prompted models only): what the guidance carries.
+
+    python -m tome_core.bench.levels --layout sdxl --proxy FILE --samplers euler euler_a dpmpp_2m
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from tome_core.patch import transformer_levels
+
+from .pipeline import Pipeline
+
+MATTERS_DB = 20.0  # a level whose skipping leaves the pictures closer than this is one the model barely uses
+
+
+def attention_levels(unet: nn.Module) -> list[int]:
+    """The levels (0 = the sampled tensor's resolution, +1 per downsampling) that hold transformers, in order."""
+    return sorted({level for _, _, level in transformer_levels(unet)})
+
+
+def tokens_at(pipe: Pipeline, level: int, size: int) -> int:
+    """How many tokens a transformer at ``level`` sees in a square ``size`` px picture."""
+    side = size // pipe.downscale
+    for _ in range(level):
+        side = -(-side // 2)
+    return side * side
+
+
+def level_name(pipe: Pipeline, level: int, size: int) -> str:
+    """A level as a reader knows it: its token count at ``size`` ("1,024 tokens"; the middle block's too)."""
+    return f"{tokens_at(pipe, level, size):,} tokens"
+
+
+def _as_skipped(module: nn.Module, args: tuple, kwargs: dict, output):
+    x = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
+    if hasattr(output, "sample"):  # diffusers' Transformer2DModelOutput
+        return type(output)(sample=x)
+    return (x,) if isinstance(output, tuple) else x
+
+
+@contextmanager
+def skipped(unet: nn.Module, levels: set[int] | frozenset[int]) -> Iterator[int]:
+    """Within the block, every transformer of ``unet`` at ``levels`` returns its input: its levels' attention
+    (self and cross) never runs. Yields how many transformers were skipped."""
+    hooks = [module.register_forward_hook(_as_skipped, with_kwargs=True)
+             for _, module, level in transformer_levels(unet) if level in levels]
+    try:
+        yield len(hooks)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .sampling import DEFAULT_CFG, SAMPLERS
+
+    ap = argparse.ArgumentParser(prog="python -m tome_core.bench.levels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", choices=["sd15", "sdxl"], default="sdxl")
+    ap.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--images", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
+    ap.add_argument("--noise-seed", type=int, default=7, help="Euler a's fresh noise's seed (default 7)")
+    ap.add_argument("--cfg", type=float, default=DEFAULT_CFG,
+                    help=f"classifier-free guidance scale for a prompted proxy (default {DEFAULT_CFG:g})")
+    ap.add_argument("--apart", action="store_true",
+                    help="cond and uncond in two U-Net calls a step, as a low-memory host runs them (default: "
+                         "one batch, as the webui runs them)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--proxy", nargs="+", metavar="WEIGHTS", default=None,
+                    help="proxy weights files (default: every shipped proxy of the layout)")
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    from .fidelity import noise_for
+    from .loading import load_proxies
+    from .metrics import psnr_each
+    from .samplers import final_pictures
+    from .sampling import SAMPLER_LABELS, guidance_for
+
+    pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
+    print(f"# {' '.join(['python -m tome_core.bench.levels'] + (argv if argv is not None else sys.argv[1:]))}")
+    print(f"# final PSNR dB against the whole model's pictures, median [range] over {args.images} images, "
+          f"{args.steps} steps; each proxy at its evaluation size; a level matters at {MATTERS_DB:g} dB or less")
+    for label, pipe in pipes:
+        size = pipe.size
+        levels = attention_levels(pipe.unet)
+        guidance = guidance_for(pipe, args.images, args.cfg, not args.apart)
+        names = [f"{level_name(pipe, lv, size)} skipped" for lv in levels]
+        extra = ["another prompt"] if guidance is not None else []
+        print(f"\n{label}: {guidance.label if guidance else 'no prompt, no guidance'}\n")
+        print("| sampler | " + " | ".join(names + extra) + " |\n|---|" + "--:|" * (len(names) + len(extra)))
+        noise = noise_for(pipe, size, args.images, args.seed)
+        for sampler in args.samplers:
+            run = dict(steps=args.steps, sampler=sampler, noise_seed=args.noise_seed, guidance=guidance)
+            whole = final_pictures(pipe, noise, options=None, **run)
+            cells = []
+            for level in levels:
+                with skipped(pipe.unet, {level}):
+                    cells.append(_cell(psnr_each(final_pictures(pipe, noise, options=None, **run), whole)))
+            if guidance is not None:
+                other = guidance_for(pipe, args.images, args.cfg, not args.apart, shift=1)
+                cells.append(_cell(psnr_each(final_pictures(pipe, noise, options=None, **dict(run, guidance=other)),
+                                             whole)))
+            print(f"| {SAMPLER_LABELS[sampler]} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+def _cell(values: list[float]) -> str:
+    got = sorted(values)
+    return f"{got[len(got) // 2]:.1f} [{got[0]:.1f}–{got[-1]:.1f}]"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
