@@ -164,3 +164,16 @@ def test_the_levels_command_prints_each_levels_figure_and_the_prompts(prompted, 
     row = next(line for line in out.splitlines() if line.startswith("| Euler |"))
     assert len(row.split("|")) == 6  # two levels and another prompt
     assert "| 256 tokens skipped | 64 tokens skipped | another prompt |" in out
+
+
+def test_a_prompted_proxys_samples_sheet_has_a_row_per_prompt_from_the_same_noises(prompted, monkeypatch):
+    from tome_core.bench.proxy.__main__ import prompted_grid
+
+    monkeypatch.setattr(prompted, "size", 16)
+    sheet = prompted_grid(prompted, cols=2, steps=2, zoom=2)
+    rows = len(proxy.BENCHMARK_PROMPTS)
+    assert sheet.size == (170 + 2 * (32 + 2) + 2, rows * (32 + 2) + 2)
+    tiles = [[sheet.crop((170 + 2 + c * 34, 2 + r * 34, 170 + 2 + c * 34 + 32, 2 + r * 34 + 32)).tobytes()
+              for c in range(2)] for r in range(rows)]
+    assert tiles[0][0] != tiles[1][0]  # the same noise, another prompt: another picture
+    assert tiles[0][0] != tiles[0][1]  # the same prompt, another noise

@@ -17,7 +17,7 @@ from . import archs
 from .archs import top_grid
 from .diffusers_folder import INDEX, is_diffusers_folder
 from .jobs import CHEAP_ROUNDS, STRIDE
-from .sampling import SAMPLERS
+from .sampling import DEFAULT_CFG, SAMPLERS
 
 PROG = "python -m tome_core.bench"
 DESCRIPTION = "What token merging gains on this machine, and what it costs the picture."
@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sampler", default="euler", choices=list(SAMPLERS),
                     help="the fidelity run's sampler: euler, euler_a (ancestral: fresh noise at every step) or "
                          "dpmpp_2m (default euler; the one-step figure is measured with euler only)")
+    ap.add_argument("--cfg", type=float, default=DEFAULT_CFG,
+                    help=f"classifier-free guidance scale of the fidelity run on a prompted proxy, whose images are "
+                         f"asked for by the benchmark's prompts (default {DEFAULT_CFG:g}); a model without prompts "
+                         f"samples with its empty prompt, unguided")
+    ap.add_argument("--apart", action="store_true",
+                    help="guided runs evaluate cond and uncond in two U-Net calls a step, as a low-memory host "
+                         "does (default: in one batch, as the webui does)")
     ap.add_argument("--cache-intervals", nargs="+", type=int, default=None, metavar="N",
                     help="also race Cache with full steps at most N steps apart (its other settings at their "
                          "defaults); its speed over a whole run: python -m tome_core.bench.runtime")

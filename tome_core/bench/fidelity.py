@@ -19,7 +19,7 @@ from .contenders import Contender, Wrapped
 from .metrics import psnr_each, ssim_each
 from .pipeline import Pipeline
 from .report import Fidelity
-from .sampling import euler_sample, sample
+from .sampling import Guidance, euler_sample, sample
 from .spread import Figure
 from .stepwise import Trajectory, reference_trajectory
 
@@ -63,11 +63,12 @@ def noise_for(pipe: Pipeline, size: int, images: int, seed: int) -> torch.Tensor
 
 def sample_pictures(pipe: Pipeline, racers: list[Contender], size: int, steps: int, seed: int = 0,
                     images: int = 1, device: torch.device | None = None, on_done=None,
-                    sampler: str = "euler") -> Pictures:
+                    sampler: str = "euler", guidance: Guidance | None = None) -> Pictures:
     """Sample ``images`` pictures of ``size`` px with ``steps`` steps of ``sampler`` (``sampling.SAMPLERS``) for
     no merging and each contender (the ideal excepted), all from the same noise (and Euler a's same fresh
     noise); ``on_done(name)`` after each. Each step's progress is told to the patch before its U-Net call, as
-    the webui tells it. The unmerged run's trajectory (for the one-step figure) is kept with Euler only."""
+    the webui tells it. The unmerged run's trajectory (for the one-step figure) is kept with Euler only. With
+    ``guidance`` (``sampling.guidance_for``), every run is guided alike."""
     device = device or next(pipe.unet.parameters()).device
     noise = noise_for(pipe, size, images, seed).to(device)
     wrapped = Wrapped(pipe.unet)  # the nesting tomesd needs; ours finds the U-Net in it
@@ -80,10 +81,10 @@ def sample_pictures(pipe: Pipeline, racers: list[Contender], size: int, steps: i
         racer.apply(wrapped)
         try:
             if racer.method == "none" and sampler == "euler":
-                trajectory, x = reference_trajectory(pipe, noise, steps)
+                trajectory, x = reference_trajectory(pipe, noise, steps, guidance)
             else:
                 x = sample(pipe, noise, steps, sampler, seed, before_step=lambda i, n: tome_core.set_progress(
-                    wrapped, (i + 0.5) / n))
+                    wrapped, (i + 0.5) / n), guidance=guidance)
             raw[racer.name] = (pipe.decode(x) if pipe.decode is not None else x).detach().float().cpu()
         finally:
             racer.remove(wrapped)

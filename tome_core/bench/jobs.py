@@ -24,6 +24,7 @@ from .fidelity import Pictures, sample_pictures
 from .opcount import Cost, OpCount, added_cost, count_ops
 from .pipeline import Pipeline
 from .report import Case, Entry, Fidelity, Load, worst_load
+from .sampling import DEFAULT_CFG, guidance_for
 from .stepwise import step_errors
 from .timing import CpuWatch, Spread, interleaved_rounds, model_timer, spreads
 
@@ -245,9 +246,10 @@ def measure_fidelity(args: argparse.Namespace, setup: Setup, pipe: Pipeline, siz
         level = min((lv for _, _, lv in transformer_levels(pipe.unet)), default=0)
         racers = racers_for(args, args.max_downsample or 2 ** level)
     setup.progress.set_postfix_str(f"{pipe.label}: sampling {size} px, {args.steps} steps")
+    guidance = guidance_for(pipe, args.images, getattr(args, "cfg", DEFAULT_CFG), not getattr(args, "apart", False))
     pictures = sample_pictures(pipe, racers, size, args.steps, args.seed, args.images, setup.device,
                                on_done=lambda name: setup.progress.update(),
-                               sampler=getattr(args, "sampler", "euler"))
+                               sampler=getattr(args, "sampler", "euler"), guidance=guidance)
     if pictures.trajectory is None:  # another sampler than Euler: the final pictures alone
         for _ in racers:
             setup.progress.update()

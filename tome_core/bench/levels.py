@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--apart", action="store_true",
                     help="cond and uncond in two U-Net calls a step, as a low-memory host runs them (default: "
                          "one batch, as the webui runs them)")
+    ap.add_argument("--size", type=int, default=None,
+                    help="picture side in px (default: each proxy's evaluation size, where the bar applies)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--proxy", nargs="+", metavar="WEIGHTS", default=None,
                     help="proxy weights files (default: every shipped proxy of the layout)")
@@ -102,9 +104,10 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
     print(f"# {' '.join(['python -m tome_core.bench.levels'] + (argv if argv is not None else sys.argv[1:]))}")
     print(f"# final PSNR dB against the whole model's pictures, median [range] over {args.images} images, "
-          f"{args.steps} steps; each proxy at its evaluation size; a level matters at {MATTERS_DB:g} dB or less")
+          f"{args.steps} steps; {f'{args.size} px' if args.size else 'each proxy at its evaluation size'}; a level "
+          f"matters at {MATTERS_DB:g} dB or less")
     for label, pipe in pipes:
-        size = pipe.size
+        size = args.size or pipe.size
         levels = attention_levels(pipe.unet)
         guidance = guidance_for(pipe, args.images, args.cfg, not args.apart)
         names = [f"{level_name(pipe, lv, size)} skipped" for lv in levels]

@@ -19,7 +19,7 @@ from .pipeline import Pipeline
 from .probes import merge_overhead, peak_memory
 from .replicate import TITLES, across, orderings, orderings_lines, per_model_table
 from .report import Case, Load, case_timings, find_busy, ms_cell, table
-from .sampling import SAMPLER_LABELS
+from .sampling import DEFAULT_CFG, SAMPLER_LABELS, guidance_for
 from .sheet import write_case_sheet
 from .timing import CpuWatch, progress_bar
 
@@ -92,7 +92,7 @@ def run_trained(args: argparse.Namespace, pipes: list[tuple[str, Pipeline]], dev
     on_tensors = pictures[0].on_tensors if pictures[0] is not None else None
     title = f"{pipe.label}: speed and fidelity, one U-Net call and {args.steps} {sampler_label(args)} steps"
     print("\n" + table(cases, title,
-                       fidelity_note(on_tensors, args, len(pipes))))
+                       fidelity_note(on_tensors, args, len(pipes), pipe)))
     if len(pipes) > 1 and args.fidelity:
         for case, per_model in zip(cases, per_size):
             print("\n" + "\n".join(replicated_lines(case, labels, per_model)))
@@ -234,9 +234,11 @@ def suffixed(path: str | None, suffix: str) -> str | None:
     return f"{root}{suffix}{ext}"
 
 
-def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace, models: int = 1) -> str:
-    """What the tables' PSNR, SSIM and step dB columns compare, over how many images and ``models``; or why they
-    are empty (``pictures_on_tensors`` None: nothing was sampled)."""
+def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace, models: int = 1,
+                  pipe: Pipeline | None = None) -> str:
+    """What the tables' PSNR, SSIM and step dB columns compare, over how many images and ``models`` (and, for a
+    prompted ``pipe``, with what guidance); or why they are empty (``pictures_on_tensors`` None: nothing was
+    sampled)."""
     if pictures_on_tensors is None:
         return "Fidelity not measured (--no-fidelity)." if args.models is None else RANDOM_NOTE
     what = ("the sampled tensors (no decoder), mapped to [0, 1] by the unmerged one's range"
@@ -245,8 +247,12 @@ def fidelity_note(pictures_on_tensors: bool | None, args: argparse.Namespace, mo
     over = (f"the median over {images} (their range)" if models == 1 else
             f"on each of {models} proxies the median over its {images}; here the median of the proxies' "
             f"medians (their range)")
+    guidance = None if pipe is None else guidance_for(pipe, 1, getattr(args, "cfg", DEFAULT_CFG),
+                                                      not getattr(args, "apart", False))
+    guided = (f"asked for by the benchmark's prompts in turn ({guidance.label}), " if guidance is not None else
+              "unguided (the model's empty prompt), ")
     return (f"PSNR, SSIM: {what} after {args.steps} {sampler_label(args)} steps from the same noise "
-            f"(seed {args.seed}), "
+            f"(seed {args.seed}), {guided}"
             f"against no merging's, each image on its own; step dB: each step's prediction along the unmerged "
             f"run's own trajectory (the same input for both), −10·log10 of the noise estimate's squared error "
             f"relative to its power, each step's weighed by how far that step moves the sample; {over}. "

@@ -29,7 +29,7 @@ import tome_core
 
 from .contenders import Contender, Wrapped
 from .pipeline import Pipeline
-from .sampling import denoise, euler_sample, timesteps_and_sigmas
+from .sampling import Guidance, denoise, euler_sample, timesteps_and_sigmas
 
 NOT_MEASURED = ("ideal",)  # a speed bound: its repeated tokens predict nothing worth comparing
 
@@ -43,15 +43,17 @@ class Trajectory:
     denoised: torch.Tensor
     sigmas: list[float]
     timesteps: list[int]
+    guidance: Guidance | None = None  # what the run was guided by; every prediction along it is guided alike
 
     @property
     def steps(self) -> int:
         return len(self.sigmas)
 
 
-def reference_trajectory(pipe: Pipeline, noise: torch.Tensor, steps: int) -> tuple[Trajectory, torch.Tensor]:
-    """Sample from ``noise`` unmerged (``pipe.unet`` as it is), recording every step; returns the trajectory
-    and the final sample (as ``euler_sample`` returns it)."""
+def reference_trajectory(pipe: Pipeline, noise: torch.Tensor, steps: int,
+                         guidance: Guidance | None = None) -> tuple[Trajectory, torch.Tensor]:
+    """Sample from ``noise`` unmerged (``pipe.unet`` as it is), with ``guidance`` if given, recording every
+    step; returns the trajectory and the final sample (as ``euler_sample`` returns it)."""
     ts, sigmas = timesteps_and_sigmas(pipe.alphas_cumprod, steps)
     inputs, denoised = [], []
 
@@ -59,9 +61,9 @@ def reference_trajectory(pipe: Pipeline, noise: torch.Tensor, steps: int) -> tup
         inputs.append(x.detach().cpu())
         denoised.append(estimate.detach().cpu())
 
-    final = euler_sample(pipe, noise, steps, after_step=record)
+    final = euler_sample(pipe, noise, steps, after_step=record, guidance=guidance)
     return Trajectory(torch.stack(inputs), torch.stack(denoised), [float(s) for s in sigmas[:steps]],
-                      [int(t) for t in ts]), final
+                      [int(t) for t in ts], guidance), final
 
 
 def _noise_errors(reference: torch.Tensor, other: torch.Tensor, inputs: torch.Tensor, sigmas: list[float]
@@ -132,7 +134,7 @@ def predictions_along(pipe: Pipeline, wrapped: Wrapped, trajectory: Trajectory,
     for i in range(trajectory.steps):
         tome_core.set_progress(wrapped, (i + 0.5) / trajectory.steps)
         estimates.append(denoise(pipe, trajectory.inputs[i].to(device), trajectory.sigmas[i],
-                                 trajectory.timesteps[i]).cpu())
+                                 trajectory.timesteps[i], trajectory.guidance).cpu())
     return torch.stack(estimates)
 
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..pipeline import Pipeline
-from ..sampling import euler_sample
+from ..sampling import DEFAULT_CFG, Guidance, euler_sample
 from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, WEIGHTS_FILE, load_proxy
 from . import __doc__ as MODEL_DOC
 from .training import TrainConfig, save_weights, train, training_metadata
@@ -33,12 +33,43 @@ def sample_grid(pipe: Pipeline, rows: int = 4, cols: int = 4, size: int = EVAL_S
     return grid.repeat_interleave(zoom, 1).repeat_interleave(zoom, 2)
 
 
-def save_png(image: torch.Tensor, path: str) -> None:
-    """image (3, H, W) in [0, 1] -> an 8-bit PNG."""
+def prompted_grid(pipe: Pipeline, cols: int = 4, steps: int = 25, seed: int = 0, zoom: int = 2,
+                  cfg: float = DEFAULT_CFG) -> "Image.Image":
+    """A prompted proxy's samples: a row per prompt of ``pipe.prompts`` (the benchmark's), ``cols`` noises from
+    ``seed`` (the same noise in every row, so a column shows what the prompt alone changes), Euler with guidance
+    ``cfg``; each row's prompt written on its left. An RGB PIL image."""
+    from PIL import Image, ImageDraw
+
+    size, pad, caption = pipe.size, 2, 170
+    noise = torch.randn(cols, pipe.channels, size, size, generator=torch.Generator().manual_seed(seed))
+    rows = []
+    for prompt in pipe.prompts:
+        cond = pipe.encode_prompt(prompt).expand(cols, -1, -1)
+        rows.append(pipe.decode(euler_sample(pipe, noise, steps, guidance=Guidance(cond, cfg))).cpu())
+    side = size * zoom
+    sheet = Image.new("RGB", (caption + cols * (side + pad) + pad, len(rows) * (side + pad) + pad), "white")
+    draw = ImageDraw.Draw(sheet)
+    for r, (prompt, images) in enumerate(zip(pipe.prompts, rows)):
+        top = pad + r * (side + pad)
+        words = prompt.replace(", on", ",\non").replace(" and ", " and\n")
+        draw.multiline_text((8, top + side // 2 - 24), words, fill="black", spacing=4)
+        for c, image in enumerate(images):
+            tile = to_pil(image.repeat_interleave(zoom, 1).repeat_interleave(zoom, 2))
+            sheet.paste(tile, (caption + pad + c * (side + pad), top))
+    return sheet
+
+
+def to_pil(image: torch.Tensor) -> "Image.Image":
+    """image (3, H, W) in [0, 1] -> an 8-bit RGB PIL image."""
     from PIL import Image
 
     array = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).contiguous().numpy()
-    Image.fromarray(array).save(path)
+    return Image.fromarray(array)
+
+
+def save_png(image: torch.Tensor, path: str) -> None:
+    """image (3, H, W) in [0, 1] -> an 8-bit PNG."""
+    to_pil(image).save(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p_samples.add_argument("--steps", type=int, default=25)
     p_samples.add_argument("--seed", type=int, default=0)
     p_samples.add_argument("--threads", type=int, default=TrainConfig.threads)
+    p_samples.add_argument("--cfg", type=float, default=DEFAULT_CFG,
+                           help=f"a prompted proxy's guidance scale (default {DEFAULT_CFG:g}): a row per benchmark "
+                                f"prompt, the same noises in every row")
     args = parser.parse_args(argv)
 
     if args.command == "train":
@@ -88,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.set_num_threads(args.threads)
         pipe = load_proxy(path=args.weights)
-        save_png(sample_grid(pipe, steps=args.steps, seed=args.seed), args.out)
+        if pipe.prompts:
+            prompted_grid(pipe, steps=args.steps, seed=args.seed, cfg=args.cfg).save(args.out)
+        else:
+            save_png(sample_grid(pipe, steps=args.steps, seed=args.seed), args.out)
         print(f"wrote {args.out}")
     return 0
 
