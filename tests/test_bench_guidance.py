@@ -177,3 +177,21 @@ def test_a_prompted_proxys_samples_sheet_has_a_row_per_prompt_from_the_same_nois
               for c in range(2)] for r in range(rows)]
     assert tiles[0][0] != tiles[1][0]  # the same noise, another prompt: another picture
     assert tiles[0][0] != tiles[0][1]  # the same prompt, another noise
+
+
+def test_training_on_scenes_repeats_bitwise_and_learns_a_word_table_not_one_context():
+    config = training.TrainConfig(seed=4, layout="sdxl", stages=((32, 2, 2),), warmup=1, data="scenes")
+    images = [torch.linspace(-1, 1, 3 * 48 * 64).view(3, 48, 64), torch.zeros(3, 40, 40)]
+    first = training.train(config, images, log=lambda line: None)
+    second = training.train(config, images, log=lambda line: None)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert "context" not in first and first["prompt.words"].shape == (len(scenes.vocabulary(training.TRAIN_IMAGES)),
+                                                                      proxy.CONTEXT_DIM)
+    metadata = training.training_metadata(config)
+    assert metadata["data"] == "scenes" and json_list(metadata["vocabulary"])[0] == ""
+
+
+def json_list(text: str) -> list:
+    import json
+
+    return json.loads(text)

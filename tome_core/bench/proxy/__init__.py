@@ -14,6 +14,10 @@ its top level holds 4,096 tokens, as SD 1.5's does at 512×512 px. Its "empty pr
 context stored with the weights, so cross-attention sees a fixed conditioning as in SD's unconditional pass.
 The SDXL layout (``LAYOUTS["sdxl"]``) has SDXL's attention levels at small widths.
 
+A prompted proxy (``train --data scenes``, docs/proxy.md) is the same U-Net trained on scenes a prompt
+describes (``scenes``): its context is a ``PromptEncoder``'s embedding of the prompt's words, the empty prompt
+is guidance's unconditional half, and the benchmark asks for ``BENCHMARK_PROMPTS`` in turn.
+
 This package holds the model: its layouts, building it, loading the shipped (or given) weights as a sampling
 ``Pipeline``. How the weights were made is ``training`` (``python -m tome_core.bench.proxy train --seed 0 --out
 FILE``: the photographs, the crops, the training loop, the saved file); the command line is ``__main__``.
@@ -121,9 +125,10 @@ LAYOUTS = {
 # the middle size, whose shapes already span the deep level's receptive field, and more at the evaluation size
 # than the photographs' recipe, so every attention level learns its part of the layout where it is measured.
 PROMPTED_STAGES = {
-    "sd15": ((16, 800, 32), (32, 600, 16), (64, 300, 4)),
-    "sdxl": ((32, 600, 16), (64, 600, 8), (128, 150, 2)),
+    "sd15": ((16, 600, 32), (32, 500, 16), (64, 500, 4)),
+    "sdxl": ((32, 500, 16), (64, 500, 8), (128, 300, 2)),
 }
+PROMPTED_LR_FLOOR = 0.1  # the learning rate's cosine ends at a tenth, not at 0: the last stage still learns
 
 
 class PromptEncoder(nn.Module):

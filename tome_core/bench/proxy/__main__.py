@@ -13,7 +13,7 @@ import torch
 
 from ..pipeline import Pipeline
 from ..sampling import DEFAULT_CFG, Guidance, euler_sample
-from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, WEIGHTS_FILE, load_proxy
+from . import EVAL_SIZE, LAYOUTS, PROMPTED_LR_FLOOR, PROMPTED_STAGES, WEIGHTS_FILE, load_proxy
 from . import __doc__ as MODEL_DOC
 from .training import TrainConfig, save_weights, train, training_metadata
 
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         stages = PROMPTED_STAGES[args.layout] if args.data == "scenes" else LAYOUTS[args.layout].stages
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
-                             data=args.data, save_every_stage=args.save_every_stage)
+                             data=args.data, save_every_stage=args.save_every_stage,
+                             lr_floor=PROMPTED_LR_FLOOR if args.data == "scenes" else 0.0)
         if args.stages:
             config.stages = tuple(tuple(int(v) for v in s.split(":")) for s in args.stages.split(","))
         start = time.time()

@@ -2,7 +2,10 @@
 
 Epsilon prediction on SD's own discrete schedule, random crops at several scales of the photographs
 scikit-image and scikit-learn ship, mostly at small sizes (attention cost), finishing at the layout's
-evaluation size (64 px; the SDXL layout's 128 px). Everything random (initial weights, crops, flips, timesteps,
+evaluation size (64 px; the SDXL layout's 128 px). ``--data scenes`` trains a prompted proxy instead: scenes
+a prompt describes (``scenes``) drawn on crops of the same photographs, its prompt's words embedded by a learned
+table (``PromptEncoder``) and dropped to the empty prompt a tenth of the time, as classifier-free guidance
+needs. Everything random (initial weights, crops, flips, timesteps,
 noise) comes from generators seeded by the run's seed, so a run is repeatable bit for bit on the same machine
 and thread count. The images in ``HELD_OUT`` are never used in training.
 """
@@ -45,6 +48,9 @@ class TrainConfig:
     data: str = "photographs"  # or "scenes": prompted scenes (``scenes``) on the photographs' textures
     drop_prompt: float = 0.1  # scenes: how often a prompt is replaced by the empty one (for guidance)
     save_every_stage: str | None = None  # a path pattern with {stage}: the EMA weights after each stage
+    # The cosine's end as a share of ``lr``: 0 for the photographs' recipe; a prompted recipe keeps learning in
+    # its last stage, at the evaluation size, where a cosine to 0 left it almost nothing to learn with.
+    lr_floor: float = 0.0
 
 
 def load_photographs(names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -163,7 +169,12 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     step, start, recent = 0, time.time(), []
     for size, steps, batch in config.stages:
         for _ in range(steps):
-            lr = config.lr * min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
+            warm = min(1.0, (step + 1) / config.warmup)
+            if config.lr_floor:
+                cosine = 0.5 * (1 + math.cos(math.pi * step / total))
+                lr = config.lr * warm * (config.lr_floor + (1 - config.lr_floor) * cosine)
+            else:  # the photographs' proxies' own expression, so they train again bit for bit
+                lr = config.lr * warm * 0.5 * (1 + math.cos(math.pi * step / total))
             for group in opt.param_groups:
                 group["lr"] = lr
             if prompted:
@@ -212,7 +223,7 @@ def training_metadata(config: TrainConfig) -> dict[str, str]:
     out = {"seed": str(config.seed), "stages": json.dumps(config.stages)}
     if config.data == "scenes":
         out.update(data="scenes", vocabulary=json.dumps(scenes.vocabulary(TRAIN_IMAGES)),
-                   drop_prompt=str(config.drop_prompt))
+                   drop_prompt=str(config.drop_prompt), lr_floor=str(config.lr_floor))
     return out
 
 
