@@ -13,7 +13,7 @@ import torch
 
 from ..pipeline import Pipeline
 from ..sampling import DEFAULT_CFG, Guidance, euler_sample
-from . import EVAL_SIZE, LAYOUTS, PROMPTED_LR_FLOOR, PROMPTED_STAGES, WEIGHTS_FILE, load_proxy
+from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, WEIGHTS_FILE, load_proxy
 from . import __doc__ as MODEL_DOC
 from .training import TrainConfig, save_weights, train, training_metadata
 
@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--data", default="photographs", choices=["photographs", "scenes"],
                          help="photographs (the unprompted proxies) or scenes: prompted scenes of shapes on the "
                               "photographs' textures, with its own default stages")
+    p_train.add_argument("--lr-floor", type=float, default=0.0,
+                         help="where the learning rate's cosine ends, as a share of its peak (default 0)")
     p_train.add_argument("--save-every-stage", default=None, metavar="PATTERN",
                          help="also write the weights after each stage, to PATTERN with {stage} in it")
     p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
@@ -104,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         stages = PROMPTED_STAGES[args.layout] if args.data == "scenes" else LAYOUTS[args.layout].stages
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
-                             data=args.data, save_every_stage=args.save_every_stage,
-                             lr_floor=PROMPTED_LR_FLOOR if args.data == "scenes" else 0.0)
+                             data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor)
         if args.stages:
             config.stages = tuple(tuple(int(v) for v in s.split(":")) for s in args.stages.split(","))
         start = time.time()

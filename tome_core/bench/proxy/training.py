@@ -48,8 +48,8 @@ class TrainConfig:
     data: str = "photographs"  # or "scenes": prompted scenes (``scenes``) on the photographs' textures
     drop_prompt: float = 0.1  # scenes: how often a prompt is replaced by the empty one (for guidance)
     save_every_stage: str | None = None  # a path pattern with {stage}: the EMA weights after each stage
-    # The cosine's end as a share of ``lr``: 0 for the photographs' recipe; a prompted recipe keeps learning in
-    # its last stage, at the evaluation size, where a cosine to 0 left it almost nothing to learn with.
+    # The cosine's end as a share of ``lr`` (0: to nothing). Tried at 0.1 so that a prompted recipe's last stage,
+    # at the evaluation size, still learns (docs/proxy.md#prompted-proxies).
     lr_floor: float = 0.0
 
 
