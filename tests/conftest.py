@@ -22,3 +22,20 @@ def webui_unet_for_this_test_only(monkeypatch):
 
     monkeypatch.setattr(CrossAttention, "forward", CrossAttention.forward)
     monkeypatch.setattr(openaimodel, "th", openaimodel.th)
+
+
+@pytest.fixture(scope="module")
+def one_thread_and_webui_ldm_for_this_module():
+    """One thread (on a CPU shared with other work two threads spin against each other), and ldm as the webui
+    patches it (``load_proxy`` does so process-wide) for the module's tests only: taken back after it."""
+    import torch
+    from ldm.modules.attention import CrossAttention
+    from ldm.modules.diffusionmodules import openaimodel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CrossAttention, "forward", CrossAttention.forward)
+        mp.setattr(openaimodel, "th", openaimodel.th)
+        yield
+    torch.set_num_threads(threads)

@@ -19,23 +19,9 @@ from tome_core.bench.sampling import Guidance, denoise, guidance_for
 
 from unets import randomize_zero_layers
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"),
+              pytest.mark.usefixtures("one_thread_and_webui_ldm_for_this_module")]
 BACKGROUNDS = ("grass", "brick", "moon")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_and_webui_ldm():
-    """One thread (a shared CPU); ``load_proxy`` patches ldm process-wide as the webui does: undone after."""
-    from ldm.modules.attention import CrossAttention
-    from ldm.modules.diffusionmodules import openaimodel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CrossAttention, "forward", CrossAttention.forward)
-        mp.setattr(openaimodel, "th", openaimodel.th)
-        yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +141,7 @@ def test_skipping_a_level_makes_its_transformers_return_their_input_and_is_undon
 
 
 def test_the_levels_command_prints_each_levels_figure_and_the_prompts(prompted, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("tome_core.bench.loading.load_proxies",
+    monkeypatch.setattr("tome_core.bench.samplers.load_proxies",
                         lambda *args, **kwargs: [("tiny", prompted)])
     monkeypatch.setattr(prompted, "size", 32)
     assert levels.main(["--samplers", "euler", "--steps", "2", "--images", "1", "--cfg", "5"]) == 0

@@ -25,25 +25,10 @@ from tome_core.bench.contenders import Contender
 from tome_core.bench.sampling import euler_sample
 from tome_core.bench.stepwise import reference_trajectory, step_errors
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"),
+              pytest.mark.usefixtures("one_thread_and_webui_ldm_for_this_module")]
 T_MODERATE = 300  # ᾱ ≈ 0.59: the picture's structure still shows through the noise
 CROPS = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_and_webui_ldm():
-    """One thread: on a CPU shared with other work two threads spin against each other. ``load_proxy`` patches
-    ldm process-wide as the webui does (SDP attention, resizing cat); take that back after this file."""
-    from ldm.modules.attention import CrossAttention
-    from ldm.modules.diffusionmodules import openaimodel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(CrossAttention, "forward", CrossAttention.forward)
-        mp.setattr(openaimodel, "th", openaimodel.th)
-        yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ pictures (prompted models only): what the guidance carries.
 from __future__ import annotations
 
 import argparse
-import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -66,43 +65,23 @@ def skipped(unet: nn.Module, levels: set[int] | frozenset[int]) -> Iterator[int]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .sampling import DEFAULT_CFG, SAMPLERS
+    from .samplers import add_run_arguments, with_threads
 
     ap = argparse.ArgumentParser(prog="python -m tome_core.bench.levels", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layout", choices=["sd15", "sdxl"], default="sdxl")
-    ap.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS))
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--images", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
-    ap.add_argument("--noise-seed", type=int, default=7, help="Euler a's fresh noise's seed (default 7)")
-    ap.add_argument("--cfg", type=float, default=DEFAULT_CFG,
-                    help=f"classifier-free guidance scale for a prompted proxy (default {DEFAULT_CFG:g})")
-    ap.add_argument("--apart", action="store_true",
-                    help="cond and uncond in two U-Net calls a step, as a low-memory host runs them (default: "
-                         "one batch, as the webui runs them)")
+    add_run_arguments(ap)
     ap.add_argument("--size", type=int, default=None,
                     help="picture side in px (default: each proxy's evaluation size, where the bar applies)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--proxy", nargs="+", metavar="WEIGHTS", default=None,
-                    help="proxy weights files (default: every shipped proxy of the layout)")
     args = ap.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        return _run(args, argv)
-    finally:
-        torch.set_num_threads(threads)
+    return with_threads(args.threads, lambda: _run(args, argv))
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     from .fidelity import noise_for
-    from .loading import load_proxies
     from .metrics import psnr_each
-    from .samplers import final_pictures
+    from .samplers import final_pictures, median_cell, proxies_of_the_run
     from .sampling import SAMPLER_LABELS, guidance_for
 
-    pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
-    print(f"# {' '.join(['python -m tome_core.bench.levels'] + (argv if argv is not None else sys.argv[1:]))}")
+    pipes = proxies_of_the_run(args, argv, "tome_core.bench.levels")
     print(f"# final PSNR dB against the whole model's pictures, median [range] over {args.images} images, "
           f"{args.steps} steps; {f'{args.size} px' if args.size else 'each proxy at its evaluation size'}; a level "
           f"matters at {MATTERS_DB:g} dB or less")
@@ -121,18 +100,13 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             cells = []
             for level in levels:
                 with skipped(pipe.unet, {level}):
-                    cells.append(_cell(psnr_each(final_pictures(pipe, noise, options=None, **run), whole)))
+                    cells.append(median_cell(psnr_each(final_pictures(pipe, noise, options=None, **run), whole)))
             if guidance is not None:
                 other = guidance_for(pipe, args.images, args.cfg, not args.apart, shift=1)
-                cells.append(_cell(psnr_each(final_pictures(pipe, noise, options=None, **dict(run, guidance=other)),
-                                             whole)))
+                asked_otherwise = final_pictures(pipe, noise, options=None, **dict(run, guidance=other))
+                cells.append(median_cell(psnr_each(asked_otherwise, whole)))
             print(f"| {SAMPLER_LABELS[sampler]} | " + " | ".join(cells) + " |", flush=True)
     return 0
-
-
-def _cell(values: list[float]) -> str:
-    got = sorted(values)
-    return f"{got[len(got) // 2]:.1f} [{got[0]:.1f}–{got[-1]:.1f}]"
 
 
 if __name__ == "__main__":

@@ -101,16 +101,18 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _cell(values: list[float]) -> str:
+def median_cell(values: list[float]) -> str:
+    """Per-image figures as a table cell: "median [lowest–highest]"."""
     got = sorted(values)
     return f"{got[len(got) // 2]:.1f} [{got[0]:.1f}–{got[-1]:.1f}]"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tome_core.bench.samplers", description=__doc__.split("\n\n")[0])
+
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a run over the proxies and samplers, shared by this room and ``levels``: which proxies,
+    samplers, steps, images, seeds, guidance and threads."""
     ap.add_argument("--layout", choices=["sd15", "sdxl"], default="sdxl")
     ap.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS))
-    ap.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS), default=["todo", "cache"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--images", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="the starting noise's seed (default 0)")
@@ -125,21 +127,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--proxy", nargs="+", metavar="WEIGHTS", default=None,
                     help="proxy weights files (default: every shipped proxy of the layout), e.g. one trained "
                          "from another seed with python -m tome_core.bench.proxy train")
+
+
+def with_threads(threads: int, run) -> int:
+    """``run()`` on ``threads`` threads; a caller's own setting (a test run) is left as it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tome_core.bench.samplers", description=__doc__.split("\n\n")[0])
+    add_run_arguments(ap)
+    ap.add_argument("--contenders", nargs="+", choices=sorted(CONTENDERS), default=["todo", "cache"])
     ap.add_argument("--step-figures", action="store_true",
                     help="also the one-step figures along the unmerged Euler run (every step alike, weighted by "
                          "each step's move of the sample, and the moves' errors summed), without guidance")
     args = ap.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        return _run(args, argv)
-    finally:
-        torch.set_num_threads(threads)  # a caller's own setting (a test run) is left as it was
+    return with_threads(args.threads, lambda: _run(args, argv))
+
+
+def proxies_of_the_run(args: argparse.Namespace, argv: list[str] | None, room: str) -> list:
+    """The (label, pipeline) of every proxy the run measures (``add_run_arguments``' --proxy and --layout), after
+    printing the command line that made the run (``room``: its module)."""
+    pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
+    print(f"# {' '.join([f'python -m {room}'] + (argv if argv is not None else sys.argv[1:]))}")
+    return pipes
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
-    print(f"# {' '.join(['python -m tome_core.bench.samplers'] + (argv if argv is not None else sys.argv[1:]))}")
+    pipes = proxies_of_the_run(args, argv, "tome_core.bench.samplers")
     print(f"# final PSNR dB against the unmerged pictures, median [range] over {args.images} images, "
           f"{args.steps} steps; each proxy at its evaluation size; beside each method, its levels skipped "
           f"(their transformers return their input): how far the pictures go without those levels' work")
@@ -165,7 +185,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             if sampler == "euler":
                 euler_final = [_median(values) for values in each]
             cells = [cell for values, found in zip(each, acts_on)
-                     for cell in (_cell(values), f"{_cell(deleted[found])} ({_levels(pipe, found)})")]
+                     for cell in (median_cell(values), f"{median_cell(deleted[found])} ({_levels(pipe, found)})")]
             print(f"| {label} | {SAMPLER_LABELS[sampler]} | {guidance.label if guidance else 'none (no prompt)'} | "
                   + " | ".join(cells) + " |", flush=True)
         if args.step_figures:
@@ -173,8 +193,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             figures = [one_step_figures(pipe, trajectory, CONTENDERS[key][1]) for key in args.contenders]
             counts = []
             for name, figure in zip(STEP_FIGURES, zip(*figures)):
-                print(f"| {label} | {name} (Euler) | none | " + " | ".join(f"{_cell(v)} | –" for v in figure) + " |",
-                      flush=True)
+                cells = " | ".join(f"{median_cell(v)} | –" for v in figure)
+                print(f"| {label} | {name} (Euler) | none | {cells} |", flush=True)
                 if euler_final is not None:
                     counts.append(pairs_in_order(euler_final, [_median(v) for v in figure]))
             if counts:
