@@ -139,10 +139,13 @@ class PromptEncoder(nn.Module):
     """
 
     def __init__(self, vocab: tuple[str, ...]) -> None:
-        from .scenes import PROMPT_WORDS
+        from .scenes import COLOURS, PLACES, PROMPT_WORDS, SHAPES
 
         super().__init__()
         self.vocab = tuple(vocab)
+        # The words that name no colour, shape or place: the backgrounds a prompt can name.
+        self.backgrounds = tuple(w for w in self.vocab[1:] if w not in COLOURS and w not in SHAPES
+                                 and w not in PLACES)
         self.words = nn.Parameter(torch.zeros(len(vocab), CONTEXT_DIM))
         self.slots = nn.Parameter(torch.zeros(PROMPT_WORDS, CONTEXT_DIM))
 
@@ -154,10 +157,8 @@ class PromptEncoder(nn.Module):
         ValueError (one line) for a prompt it cannot read."""
         from . import scenes
 
-        backgrounds = tuple(w for w in self.vocab[1:] if w not in scenes.COLOURS and w not in scenes.SHAPES
-                            and w not in scenes.PLACES)
         with torch.no_grad():
-            return self(scenes.tokens(scenes.parse(text, backgrounds), self.vocab)[None])
+            return self(scenes.tokens(scenes.parse(text, self.backgrounds), self.vocab)[None])
 
 
 def layout_of(metadata: dict[str, str]) -> ProxyLayout:
