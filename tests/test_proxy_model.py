@@ -109,6 +109,30 @@ def test_missing_or_foreign_weights_say_how_to_get_them(tmp_path):
         proxy.load_proxy(path=foreign)
 
 
+def test_a_proxy_of_other_widths_loads_as_trained_and_other_levels_are_refused(tmp_path):
+    images = [torch.linspace(-1, 1, 3 * 48 * 64).view(3, 48, 64)]
+    config = training.TrainConfig(seed=2, layout="sdxl", stages=((32, 1, 1),), warmup=1, channel_mult=(1, 1, 3))
+    state = training.train(config, images, log=lambda line: None)
+    path = str(tmp_path / "wide.safetensors")
+    training.save_weights(state, path, training.training_metadata(config), "sdxl")
+    wide = proxy.load_proxy(path=path)
+    # The deep level's stacks are three times the base width (32), the level above them once, as trained.
+    widths = {t.proj_in.in_features for _, t, _ in tome_core.patch.transformer_levels(wide.unet)}
+    assert widths == {32, 96}
+    loaded = wide.unet.state_dict()
+    assert all(torch.equal(loaded[k], state[k].half().float()) for k in loaded)
+    with pytest.raises(ValueError, match="3 levels"):
+        proxy.build_proxy_unet(0, "sdxl", (1, 2))
+    # Widths are a proxy's own; its levels are the layout's.
+    metadata = training.training_metadata(config)
+    arch = json.loads(metadata["arch"])
+    deeper = str(tmp_path / "deeper.safetensors")
+    training.save_weights(state, deeper, {**metadata, "arch": json.dumps({**arch, "attention_resolutions": [4]})},
+                          "sdxl")
+    with pytest.raises(ValueError, match="another architecture"):
+        proxy.load_proxy(path=deeper)
+
+
 def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):
     levels = {}
     for _, t, level in tome_core.patch.transformer_levels(pipe.unet):

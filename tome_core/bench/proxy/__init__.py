@@ -169,8 +169,22 @@ def layout_of(metadata: dict[str, str]) -> ProxyLayout:
     return LAYOUTS[name]
 
 
-def build_proxy_unet(seed: int = 0, layout: str = "sd15") -> nn.Module:
-    """A freshly initialised proxy U-Net of ``layout`` (float32, CPU), its weights drawn from ``seed``.
+def arch_with_widths(layout: str, channel_mult: tuple[int, ...] | None = None) -> dict:
+    """``layout``'s ldm arguments with its levels' widths (``channel_mult``, one factor a level) changed: a
+    proxy's widths are its own to choose, its levels (which hold attention, how deep, how many tokens) are the
+    layout's. None: the layout's own widths."""
+    arch = dict(LAYOUTS[layout].arch)
+    if channel_mult is not None:
+        if len(channel_mult) != len(arch["channel_mult"]) or min(channel_mult) < 1:
+            raise ValueError(f"channel_mult {list(channel_mult)}: the {layout} layout has "
+                             f"{len(arch['channel_mult'])} levels, each a positive width factor")
+        arch["channel_mult"] = [int(m) for m in channel_mult]
+    return arch
+
+
+def build_proxy_unet(seed: int = 0, layout: str = "sd15", channel_mult: tuple[int, ...] | None = None) -> nn.Module:
+    """A freshly initialised proxy U-Net of ``layout`` (float32, CPU), its weights drawn from ``seed``, its
+    levels' widths ``channel_mult`` (None: the layout's).
 
     Takes x (B, 3, h, w) with h, w multiples of 8 (SDXL's layout: 4), timesteps (B,) and context (B, T, 32);
     returns (B, 3, h, w).
@@ -183,7 +197,7 @@ def build_proxy_unet(seed: int = 0, layout: str = "sd15") -> nn.Module:
     # as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        unet = UNetModel(**spec.arch)
+        unet = UNetModel(**arch_with_widths(layout, channel_mult))
     if spec.depths is not None:
         trim_depths(unet, spec.depths)
         # ldm's SpatialTransformer takes one context per block: a deep stack needs them as a list.
@@ -212,13 +226,13 @@ def load_proxy(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     from safetensors.torch import load_file
 
     metadata = read_metadata(path)
-    check_arch(path, metadata)
+    channel_mult = check_arch(path, metadata)
     spec = layout_of(metadata)
     use_webui_unet()
     state = {k: v.float() for k, v in load_file(path).items()}
     encoder = prompt_encoder(metadata, state)
     context = state.pop("context") if encoder is None else encoder.encode("")
-    unet = build_proxy_unet(0, spec.name)
+    unet = build_proxy_unet(0, spec.name, channel_mult)
     unet.load_state_dict(state)
     unet = in_run_dtype(unet, torch.device(device), dtype).requires_grad_(False)
     # The SD 1.5-layout proxy is "proxy" in the tables, as it was before the SDXL layout existed.
@@ -272,16 +286,22 @@ def read_metadata(path: str) -> dict[str, str]:
                          f"that {MAKE_ONE}") from None
 
 
-def check_arch(path: str, metadata: dict[str, str]) -> None:
-    """ValueError (one line) unless ``metadata`` names this code's proxy architecture: which settings differ,
-    not the whole architecture."""
+def check_arch(path: str, metadata: dict[str, str]) -> tuple[int, ...] | None:
+    """ValueError (one line) unless ``metadata`` names this code's proxy architecture, up to its levels' widths:
+    which settings differ, not the whole architecture. Returns the file's widths where they are not the
+    layout's (``channel_mult``), else None."""
     try:
         arch = json.loads(metadata.get("arch", "null"))
     except ValueError:
         arch = None
     expected = layout_of(metadata).arch
     if arch == expected:
-        return
+        return None
+    widths = arch.get("channel_mult") if isinstance(arch, dict) else None
+    if (isinstance(widths, list) and len(widths) == len(expected["channel_mult"])
+            and all(isinstance(m, int) and m >= 1 for m in widths)
+            and {**arch, "channel_mult": expected["channel_mult"]} == expected):
+        return tuple(widths)
     if not isinstance(arch, dict):
         raise ValueError(f"{path}: a safetensors file, but not a proxy model's weights (no proxy architecture "
                          f"in its metadata); {MAKE_ONE}")

@@ -23,7 +23,8 @@ from torch import nn
 
 from ..archs import use_webui_unet
 from ..pipeline import sd_alphas_cumprod
-from . import CONTEXT_DIM, CONTEXT_TOKENS, EVAL_SIZE, LAYOUTS, PromptEncoder, build_proxy_unet, scenes
+from . import (CONTEXT_DIM, CONTEXT_TOKENS, EVAL_SIZE, LAYOUTS, PromptEncoder, arch_with_widths, build_proxy_unet,
+               scenes)
 
 # Photographs (scikit-image's ``skimage.data`` names; "china" and "flower" are scikit-learn's sample images).
 # Grayscale ones are used as three equal channels.
@@ -51,6 +52,9 @@ class TrainConfig:
     # The cosine's end as a share of ``lr`` (0: to nothing). Tried at 0.1 so that a prompted recipe's last stage,
     # at the evaluation size, still learns (docs/proxy.md#prompted-proxies).
     lr_floor: float = 0.0
+    # The levels' widths (one factor a level; None: the layout's): a prompted proxy widens its coarse levels so
+    # that they, not the levels above, take on the picture's layout (docs/proxy.md#prompted-proxies).
+    channel_mult: tuple[int, ...] | None = None
 
 
 def load_photographs(names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -147,7 +151,7 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     if images is None:
         images = load_photographs(TRAIN_IMAGES)
     pyramids = [pyramid(image) for image in images]
-    unet = build_proxy_unet(config.seed, config.layout).train()
+    unet = build_proxy_unet(config.seed, config.layout, config.channel_mult).train()
     gen = torch.Generator().manual_seed(config.seed)
     prompted = config.data == "scenes"
     if prompted:
@@ -220,7 +224,8 @@ def _named(unet: nn.Module, extra: dict[str, nn.Parameter], ema: list[torch.Tens
 def training_metadata(config: TrainConfig) -> dict[str, str]:
     """What a weights file says of its training: the seed, the stages and, for a prompted proxy, its data and
     the words its prompts are made of (what loading builds its encoder from)."""
-    out = {"seed": str(config.seed), "stages": json.dumps(config.stages)}
+    out = {"seed": str(config.seed), "stages": json.dumps(config.stages),
+           "arch": json.dumps(arch_with_widths(config.layout, config.channel_mult))}
     if config.data == "scenes":
         out.update(data="scenes", vocabulary=json.dumps(scenes.vocabulary(TRAIN_IMAGES)),
                    drop_prompt=str(config.drop_prompt), lr_floor=str(config.lr_floor))
@@ -235,5 +240,7 @@ def save_weights(state: dict[str, torch.Tensor], path: str, metadata: dict[str, 
 
     spec = LAYOUTS[layout]
     named = {} if layout == "sd15" else {"layout": layout, "depths": json.dumps(spec.depths)}
+    # ``metadata`` (``training_metadata``) names the architecture trained, widths included; the layout's own
+    # where it does not.
     save_file({k: v.detach().to(torch.float16).contiguous() for k, v in state.items()}, path,
               metadata={"arch": json.dumps(spec.arch), **named, **(metadata or {})})
