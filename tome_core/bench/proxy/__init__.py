@@ -122,13 +122,17 @@ LAYOUTS = {
 
 
 # The prompted proxies' recipes (``train --data scenes``): scenes a prompt describes (``scenes``), most steps at
-# the middle size, whose shapes already span the deep level's receptive field, then the evaluation size. Of the
-# two tried (docs/proxy.md#prompted-proxies) this one left the SDXL layout's deep level doing the most: longer
-# last stages at a higher learning rate (``--lr-floor 0.1``) let the highest attention level take over more.
+# the middle size, whose shapes already span the deep level's receptive field, then the evaluation size
+# (docs/proxy.md#prompted-proxies has each try's figures). Longer last stages at a higher learning rate
+# (``--lr-floor 0.1``) let the highest attention level take over more, not the deep one.
 PROMPTED_STAGES = {
     "sd15": ((16, 800, 32), (32, 600, 16), (64, 300, 4)),
-    "sdxl": ((32, 600, 16), (64, 600, 8), (128, 150, 2)),
+    "sdxl": ((32, 600, 16), (64, 500, 8), (128, 150, 2)),
 }
+# Their levels' widths (``channel_mult``; None: the layout's). SDXL's deep level three times the base width,
+# not twice as in SDXL: at twice, the level above it (4,096 tokens at 128 px) learnt the layout and the deep
+# level, skipped, moved the pictures by 22 to 28 dB; at three times by 14 to 16, as a level that matters does.
+PROMPTED_WIDTHS: dict[str, tuple[int, ...] | None] = {"sd15": None, "sdxl": (1, 1, 3)}
 
 
 class PromptEncoder(nn.Module):

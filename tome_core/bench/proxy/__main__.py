@@ -13,7 +13,7 @@ import torch
 
 from ..pipeline import Pipeline
 from ..sampling import DEFAULT_CFG, Guidance, euler_sample
-from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, WEIGHTS_FILE, load_proxy
+from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, PROMPTED_WIDTHS, WEIGHTS_FILE, load_proxy
 from . import __doc__ as MODEL_DOC
 from .training import TrainConfig, save_weights, train, training_metadata
 
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--lr-floor", type=float, default=0.0,
                          help="where the learning rate's cosine ends, as a share of its peak (default 0)")
     p_train.add_argument("--channel-mult", default=None, metavar="M,M,...",
-                         help="the levels' widths, a factor of the base width each (default: the layout's)")
+                         help="the levels' widths, a factor of the base width each (default: the layout's; a "
+                              "prompted proxy's own with --data scenes)")
     p_train.add_argument("--save-every-stage", default=None, metavar="PATTERN",
                          help="also write the weights after each stage, to PATTERN with {stage} in it")
     p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         stages = PROMPTED_STAGES[args.layout] if args.data == "scenes" else LAYOUTS[args.layout].stages
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
                              data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor,
-                             channel_mult=(tuple(int(m) for m in args.channel_mult.split(","))
-                                           if args.channel_mult else None))
+                             channel_mult=(tuple(int(m) for m in args.channel_mult.split(",")) if args.channel_mult
+                                           else PROMPTED_WIDTHS[args.layout] if args.data == "scenes" else None))
         if args.stages:
             config.stages = tuple(tuple(int(v) for v in s.split(":")) for s in args.stages.split(","))
         start = time.time()
