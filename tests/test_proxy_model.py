@@ -133,6 +133,20 @@ def test_a_proxy_of_other_widths_loads_as_trained_and_other_levels_are_refused(t
         proxy.load_proxy(path=deeper)
 
 
+@pytest.mark.parametrize("flags, said", [(["--channel-mult", "1,2"], "expected 3 positive integers"),
+                                         (["--channel-mult", "1,x,3"], "expected 3 positive integers"),
+                                         (["--stages", "32:600"], "expected 3 positive integers"),
+                                         (["--stages", "32:0:16"], "expected 3 positive integers")])
+def test_train_refuses_malformed_widths_and_stages_in_one_line_before_training(flags, said, tmp_path, capsys):
+    from tome_core.bench.proxy.__main__ import main
+
+    out = str(tmp_path / "never.safetensors")
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--layout", "sdxl", "--out", out] + flags)
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
 def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):
     levels = {}
     for _, t, level in tome_core.patch.transformer_levels(pipe.unet):

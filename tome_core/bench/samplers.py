@@ -103,9 +103,7 @@ def _median(values: list[float]) -> float:
 
 def median_cell(values: list[float]) -> str:
     """Per-image figures as a table cell: "median [lowest–highest]"."""
-    got = sorted(values)
-    return f"{got[len(got) // 2]:.1f} [{got[0]:.1f}–{got[-1]:.1f}]"
-
+    return f"{_median(values):.1f} [{min(values):.1f}–{max(values):.1f}]"
 
 
 def add_run_arguments(ap: argparse.ArgumentParser) -> None:

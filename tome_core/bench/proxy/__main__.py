@@ -72,6 +72,18 @@ def save_png(image: torch.Tensor, path: str) -> None:
     to_pil(image).save(path)
 
 
+def _integers(text: str, separator: str, count: int) -> tuple[int, ...]:
+    """``count`` positive integers written with ``separator`` between them ("32:600:16", "1,1,3"); ValueError
+    (one line) for anything else."""
+    try:
+        values = tuple(int(v) for v in text.split(separator))
+    except ValueError:
+        values = ()
+    if len(values) != count or min(values) < 1:
+        raise ValueError(f"{text!r}: expected {count} positive integers joined by {separator!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     """``train`` a proxy from a seed and write its weights, or write a grid of ``samples`` of one."""
     parser = argparse.ArgumentParser(prog="python -m tome_core.bench.proxy", description=MODEL_DOC.split("\n")[0])
@@ -108,12 +120,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "train":
         stages = PROMPTED_STAGES[args.layout] if args.data == "scenes" else LAYOUTS[args.layout].stages
+        widths = PROMPTED_WIDTHS[args.layout] if args.data == "scenes" else None
+        try:
+            if args.stages:
+                stages = tuple(_integers(s, ":", 3) for s in args.stages.split(","))
+            if args.channel_mult:
+                widths = _integers(args.channel_mult, ",", len(LAYOUTS[args.layout].arch["channel_mult"]))
+        except ValueError as error:
+            parser.error(str(error))
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
                              data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor,
-                             channel_mult=(tuple(int(m) for m in args.channel_mult.split(",")) if args.channel_mult
-                                           else PROMPTED_WIDTHS[args.layout] if args.data == "scenes" else None))
-        if args.stages:
-            config.stages = tuple(tuple(int(v) for v in s.split(":")) for s in args.stages.split(","))
+                             channel_mult=widths)
         start = time.time()
         losses = []
 
