@@ -136,7 +136,10 @@ def test_a_proxy_of_other_widths_loads_as_trained_and_other_levels_are_refused(t
 @pytest.mark.parametrize("flags, said", [(["--channel-mult", "1,2"], "expected 3 positive integers"),
                                          (["--channel-mult", "1,x,3"], "expected 3 positive integers"),
                                          (["--stages", "32:600"], "expected 3 positive integers"),
-                                         (["--stages", "32:0:16"], "expected 3 positive integers")])
+                                         (["--stages", "32:0:16"], "expected 3 positive integers"),
+                                         (["--eval-shift", "0"], "expected a positive number"),
+                                         (["--eval-shift", "nan"], "expected a positive number"),
+                                         (["--eval-shift", "inf"], "expected a positive number")])
 def test_train_refuses_malformed_widths_and_stages_in_one_line_before_training(flags, said, tmp_path, capsys):
     from tome_core.bench.proxy.__main__ import main
 
@@ -145,6 +148,32 @@ def test_train_refuses_malformed_widths_and_stages_in_one_line_before_training(f
         main(["train", "--layout", "sdxl", "--out", out] + flags)
     assert stop.value.code == 2 and said in capsys.readouterr().err
     assert not os.path.exists(out)
+
+
+def test_shifted_timesteps_follow_the_shift_and_only_the_evaluation_size_stage_draws_them(tmp_path):
+    # shift·u / (1 + (shift − 1)·u) with u uniform: above the middle when u > 1 / (1 + shift), so a share
+    # shift / (1 + shift) of the draws; the median u = 1/2 maps to shift / (1 + shift) of the way.
+    for shift in (1.0, 3.0):
+        t = training.shifted_timesteps(40000, shift, 1000, torch.Generator().manual_seed(0))
+        assert t.dtype == torch.int64 and 0 <= int(t.min()) and int(t.max()) <= 999
+        assert abs(float((t >= 500).double().mean()) - shift / (1 + shift)) < 0.01
+        assert abs(float(t.double().median()) - 1000 * shift / (1 + shift)) < 10
+    # A stage below the evaluation size draws as before (the same weights after it); the evaluation size's
+    # stage draws the shifted timesteps, and the file says so.
+    images = [torch.linspace(-1, 1, 3 * 80 * 80).view(3, 80, 80)]
+    after = {}
+    for shift in (1.0, 3.0):
+        pattern = str(tmp_path / f"shift{shift}-{{stage}}.safetensors")
+        config = training.TrainConfig(seed=5, stages=((16, 1, 1), (64, 1, 1)), warmup=1, eval_shift=shift,
+                                      save_every_stage=pattern)
+        after[shift] = (training.train(config, images, log=lambda line: None), pattern)
+    from safetensors.torch import load_file
+
+    first = [load_file(pattern.format(stage="16px")) for _, pattern in after.values()]
+    assert all(torch.equal(first[0][k], first[1][k]) for k in first[0])
+    assert not all(torch.equal(after[1.0][0][k], after[3.0][0][k]) for k in after[1.0][0])
+    assert "eval_shift" not in training.training_metadata(training.TrainConfig())
+    assert training.training_metadata(training.TrainConfig(eval_shift=3.0))["eval_shift"] == "3.0"
 
 
 def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):

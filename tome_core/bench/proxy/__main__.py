@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--channel-mult", default=None, metavar="M,M,...",
                          help="the levels' widths, a factor of the base width each (default: the layout's; a "
                               "prompted proxy's own with --data scenes)")
+    p_train.add_argument("--eval-shift", type=float, default=1.0, metavar="S",
+                         help="at the evaluation size, draw timesteps toward the noisy end by S (default 1: "
+                              "uniform; 3 puts three in four above the middle)")
     p_train.add_argument("--save-every-stage", default=None, metavar="PATTERN",
                          help="also write the weights after each stage, to PATTERN with {stage} in it")
     p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
@@ -128,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                 widths = _integers(args.channel_mult, ",", len(LAYOUTS[args.layout].arch["channel_mult"]))
         except ValueError as error:
             parser.error(str(error))
+        if not (args.eval_shift > 0 and math.isfinite(args.eval_shift)):
+            parser.error(f"--eval-shift {args.eval_shift:g}: expected a positive number")
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
                              data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor,
-                             channel_mult=widths)
+                             channel_mult=widths, eval_shift=args.eval_shift)
         start = time.time()
         losses = []
 

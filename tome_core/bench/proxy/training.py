@@ -55,6 +55,10 @@ class TrainConfig:
     # The levels' widths (one factor a level; None: the layout's): a prompted proxy widens its coarse levels so
     # that they, not the levels above, take on the picture's layout (docs/proxy.md#prompted-proxies).
     channel_mult: tuple[int, ...] | None = None
+    # At the evaluation size, timesteps drawn toward the noisy end (``shifted_timesteps``; 1: uniform). What a
+    # picture's layout is gets decided at high noise, and the small stages taught it at their sizes only; the
+    # low-noise steps' work is local and carries over from them.
+    eval_shift: float = 1.0
 
 
 def load_photographs(names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -138,6 +142,14 @@ def noised(x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, alphas_cumpro
     return a.sqrt() * x0 + (1 - a).sqrt() * noise
 
 
+def shifted_timesteps(count: int, shift: float, steps: int, gen: torch.Generator) -> torch.Tensor:
+    """``count`` training timesteps (count,) int64 in [0, steps): u uniform in [0, 1) mapped by
+    shift·u / (1 + (shift − 1)·u), the resolution shift of rectified-flow training (Esser et al. 2024), so that
+    shift > 1 draws the noisy end more often (a share ``shift / (1 + shift)`` of them above the middle)."""
+    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    return (shift * u / (1 + (shift - 1) * u) * steps).long().clamp(max=steps - 1)
+
+
 def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=print) -> dict[str, torch.Tensor]:
     """Train a proxy from ``config.seed``; returns its EMA weights (float32) with the learned context under
     ``"context"``.
@@ -190,7 +202,10 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
             else:
                 x0 = random_crops(pyramids, batch, size, gen)
                 context = extra["context"].expand(batch, -1, -1)
-            t = torch.randint(0, len(alphas), (batch,), generator=gen)
+            if config.eval_shift != 1.0 and size == LAYOUTS[config.layout].eval_size:
+                t = shifted_timesteps(batch, config.eval_shift, len(alphas), gen)
+            else:
+                t = torch.randint(0, len(alphas), (batch,), generator=gen)
             noise = torch.randn(x0.shape, generator=gen)
             pred = unet(noised(x0, t, noise, alphas), t, context=context)
             loss = F.mse_loss(pred, noise)
@@ -229,6 +244,8 @@ def training_metadata(config: TrainConfig) -> dict[str, str]:
     if config.data == "scenes":
         out.update(data="scenes", vocabulary=json.dumps(scenes.vocabulary(TRAIN_IMAGES)),
                    drop_prompt=str(config.drop_prompt), lr_floor=str(config.lr_floor))
+    if config.eval_shift != 1.0:
+        out["eval_shift"] = str(config.eval_shift)
     return out
 
 
