@@ -181,3 +181,82 @@ def json_list(text: str) -> list:
     import json
 
     return json.loads(text)
+
+
+def test_the_sdxl_figure_sets_each_sdxl_setting_beside_its_levels_deleted_and_counts_the_whole_run(prompted,
+                                                                                                   monkeypatch):
+    """Cache's whole-run multiply-adds against an expectation built from outside its patch: the unmerged call's
+    count less the deep level's transformers (measured by skipping them) on each step its schedule reuses."""
+    from tome_core.bench import sdxl_figure
+    from tome_core.bench.fidelity import noise_for
+    from tome_core.bench.macs import MultiplyAddCounter
+    from tome_core.bench.metrics import psnr_each
+    from tome_core.bench.runtime import call_counts
+
+    monkeypatch.setattr(prompted, "size", 32)
+    steps = 8
+    lines = sdxl_figure.sdxl_table("tiny", prompted, steps=steps, images=2, cfg=5)
+    assert lines[0].startswith(f"{prompted.label} tiny, 32 px: SDXL's settings over a whole run of {steps} Euler "
+                               f"steps, CFG 5, cond and uncond batched")
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in lines if line.startswith("| ") and "setting" not in line}
+    assert list(rows) == ["Cache (defaults)", "ToDo f=2 levels 4"]
+    assert rows["Cache (defaults)"][1].endswith("(64 tokens)")  # the deep level at 32 px
+    assert rows["ToDo f=2 levels 4"][1].endswith("(256 tokens, 64 tokens)")
+
+    # The ToDo row's closeness, from a run made here.
+    guidance = guidance_for(prompted, 2, 5)
+    noise = noise_for(prompted, 32, 2, 0)
+    run = dict(steps=steps, sampler="euler", noise_seed=7, guidance=guidance)
+    whole = final_pictures(prompted, noise, options=None, **run)
+    todo = final_pictures(prompted, noise, options=dict(method="todo", max_downsample=4), **run)
+    each = sorted(psnr_each(todo, whole))
+    assert rows["ToDo f=2 levels 4"][0] == f"{each[1]:.1f} [{each[0]:.1f}–{each[1]:.1f}]"
+
+    x = torch.randn(4, 3, 32, 32)
+    t = torch.full((4,), 500.0)
+    context = torch.cat([guidance.cond, prompted.context.expand(2, -1, -1)])
+
+    counter = MultiplyAddCounter()
+    with counter, torch.no_grad():
+        prompted.unet(x, t, context=context)
+    none, per_module = counter.total, counter.get_flop_counts()
+    deep_level = max(levels.attention_levels(prompted.unet))
+    deep = sum(sum(per_module[f"UNetModel.{name}"].values()) // 2
+               for name, _, level in tome_core.patch.transformer_levels(prompted.unet) if level == deep_level)
+    assert 0 < deep < none
+    full, reused = call_counts(steps, {"method": "cache"})
+    assert reused > 0 and full + reused == steps
+    expected = 1 - reused * deep / (steps * none)
+    assert abs(float(rows["Cache (defaults)"][2]) - expected) <= 0.02, (rows, expected)
+    assert float(rows["ToDo f=2 levels 4"][2]) < 1.0
+
+
+def test_the_main_job_ends_with_the_sdxl_figure_or_says_why_it_has_none(monkeypatch, capsys, tmp_path):
+    from tome_core.bench import cli, jobs, sdxl_figure
+    from tome_core.bench.arguments import parse_args
+
+    # The main job asks for it; a run of other proxies, of a checkpoint, of both layouts or without pictures does not.
+    assert cli.wants_sdxl_figure(parse_args([]))
+    for argv in (["--no-sdxl-figure"], ["--proxy", "x"], ["--checkpoint", "x"], ["--layouts", "sd15", "sdxl"],
+                 ["--no-fidelity"]):
+        assert not cli.wants_sdxl_figure(parse_args(argv)), argv
+
+    sd15 = proxy.SHIPPED_WEIGHTS[0]
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (str(tmp_path / "gone.safetensors"),))
+    assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
+        "# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy train --layout "
+        "sdxl --seed 0 makes one)"]
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (sd15,))
+    assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
+        f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout"]
+
+    # In the main job itself: the SD part's tables, then the figure's line.
+    monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: {"none": 10.0}.get(name, 8.0)))
+    monkeypatch.setattr(proxy, "SHIPPED_WEIGHTS", (sd15,))
+    assert cli.main(["--steps", "1", "--repeats", "1", "--quiet", "--sheet", "", "--device", "cpu", "--images", "1",
+                     "--ratios", "0.5", "--todo-factors", "2", "--no-tomesd", "--no-ideal", "--methods", "ToDo",
+                     "--skip", "block", "overhead", "memory"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout")
+    assert out.index("| ToDo |") < out.index("no SDXL-layout figure")

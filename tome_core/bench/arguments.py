@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the shipped proxies to race, by layout (default sd15: the three SD 1.5-layout ones; "
                          "'sd15 sdxl' adds the three SDXL-layout ones, each layout raced apart, which more than "
                          "triples the run's time)")
+    ap.add_argument("--sdxl-figure", action=argparse.BooleanOptionalAction, default=True,
+                    help="end a run on the shipped SD 1.5-layout proxies with SDXL's settings (Cache, ToDo f=2 "
+                         "levels 4) on the seed-0 SDXL-layout proxy: closeness, its levels skipped, multiply-adds "
+                         "(default: on; a few minutes)")
     ap.add_argument("--prediction", default="auto", choices=["auto", "eps", "v"],
                     help="what the checkpoint's U-Net predicts (default: read off the file)")
     ap.add_argument("--sizes", nargs="+", type=int, default=None,

@@ -30,6 +30,7 @@ from .jobs import STRIDE
 from .loading import pick_device, trained_groups
 from .probes import peak_memory_child
 from .runs import run_architectures, run_groups
+from .sdxl_figure import sdxl_figure
 from .tensorfile import CheckpointError
 
 
@@ -72,8 +73,19 @@ def main(argv: list[str] | None = None) -> int:
                   "weights instead (speed only)")
     cap = ratio_cap(STRIDE, STRIDE)
     if groups is not None:
-        return run_groups(args, groups, device, dtype, command, cap)
+        status = run_groups(args, groups, device, dtype, command, cap)
+        if wants_sdxl_figure(args):
+            print("\n" + "\n".join(sdxl_figure(args.steps, args.sampler, args.images, args.seed, args.cfg,
+                                               not args.apart)))
+        return status
     return run_architectures(args, device, dtype, command, cap)
+
+
+def wants_sdxl_figure(args) -> bool:
+    """Whether the run ends with ``sdxl_figure``: a fidelity run on the shipped SD 1.5-layout proxies alone (the
+    main job), where SDXL would otherwise go unmeasured."""
+    return (args.sdxl_figure and args.fidelity and args.checkpoint is None and args.proxy is None
+            and "sdxl" not in args.layouts)
 
 
 def _refused(error: Exception) -> int:
