@@ -73,7 +73,8 @@ def acted_levels(pipe, options: dict) -> frozenset[int]:
     return frozenset(block.level for block in tome_core.check_patch(Wrapped(pipe.unet), **options))
 
 
-def _levels(pipe, found: frozenset[int]) -> str:
+def levels_named(pipe, found: frozenset[int]) -> str:
+    """The levels ``found`` by their token counts at the proxy's size ("4,096 tokens, 1,024 tokens"), or "none"."""
     return ", ".join(level_name(pipe, level, pipe.size) for level in sorted(found)) or "none"
 
 
@@ -183,7 +184,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             if sampler == "euler":
                 euler_final = [_median(values) for values in each]
             cells = [cell for values, found in zip(each, acts_on)
-                     for cell in (median_cell(values), f"{median_cell(deleted[found])} ({_levels(pipe, found)})")]
+                     for cell in (median_cell(values), f"{median_cell(deleted[found])} ({levels_named(pipe, found)})")]
             print(f"| {label} | {SAMPLER_LABELS[sampler]} | {guidance.label if guidance else 'none (no prompt)'} | "
                   + " | ".join(cells) + " |", flush=True)
         if args.step_figures:

@@ -36,7 +36,7 @@ from .levels import skipped
 from .loading import load_proxies
 from .macs import MultiplyAddCounter
 from .metrics import psnr_each
-from .samplers import CONTENDERS, _levels, acted_levels, final_pictures, median_cell
+from .samplers import CONTENDERS, acted_levels, final_pictures, levels_named, median_cell
 from .sampling import DEFAULT_CFG, SAMPLER_LABELS, SAMPLERS, guidance_for
 
 # The README's settings for SDXL, in its order: Cache first, ToDo where Cache cannot run.
@@ -72,7 +72,7 @@ def sdxl_table(label: str, pipe, steps: int = 20, sampler: str = "euler", images
         with skipped(pipe.unet, found):
             deleted = final_pictures(pipe, noise, options=None, **run)
         lines.append(f"| {name} | {median_cell(psnr_each(pictures, reference))} | "
-                     f"{median_cell(psnr_each(deleted, reference))} ({_levels(pipe, found)}) | "
+                     f"{median_cell(psnr_each(deleted, reference))} ({levels_named(pipe, found)}) | "
                      f"{macs / reference_macs:.2f} |")
     return lines
 
