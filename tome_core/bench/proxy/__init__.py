@@ -131,8 +131,8 @@ PROMPTED_STAGES = {
 }
 # Their levels' widths (``channel_mult``; None: the layout's). SDXL's deep level three times the base width,
 # not twice as in SDXL: at twice, the level above it (4,096 tokens at 128 px) learnt the layout and the deep
-# level, skipped, moved the pictures to 22 to 28 dB; at three times to 14 to 16 on seed 0 (21.5 on seed 1: not
-# yet the 20 dB bar on every seed).
+# level, skipped, moved the pictures to 22 to 28 dB; at three times to 14 to 16 on seed 0, but 21.5 and 25.6 on
+# seeds 1 and 2: not yet the 20 dB bar on every seed.
 PROMPTED_WIDTHS: dict[str, tuple[int, ...] | None] = {"sd15": None, "sdxl": (1, 1, 3)}
 
 
