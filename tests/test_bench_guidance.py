@@ -186,7 +186,8 @@ def json_list(text: str) -> list:
 def test_the_sdxl_figure_sets_each_sdxl_setting_beside_its_levels_deleted_and_counts_the_whole_run(prompted,
                                                                                                    monkeypatch):
     """Cache's whole-run multiply-adds against an expectation built from outside its patch: the unmerged call's
-    count less the deep level's transformers (measured by skipping them) on each step its schedule reuses."""
+    count less the deep level's transformers (their own share of the unmerged call's count) on each step its
+    schedule reuses."""
     from tome_core.bench import sdxl_figure
     from tome_core.bench.fidelity import noise_for
     from tome_core.bench.macs import MultiplyAddCounter
