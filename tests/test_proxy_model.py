@@ -139,7 +139,9 @@ def test_a_proxy_of_other_widths_loads_as_trained_and_other_levels_are_refused(t
                                          (["--stages", "32:0:16"], "expected 3 positive integers"),
                                          (["--eval-shift", "0"], "expected a positive number"),
                                          (["--eval-shift", "nan"], "expected a positive number"),
-                                         (["--eval-shift", "inf"], "expected a positive number")])
+                                         (["--eval-shift", "inf"], "expected a positive number"),
+                                         (["--deep-first", "3"], "expected 0 to 2, fewer than the 3 stages"),
+                                         (["--deep-first", "-1"], "expected 0 to 2")])
 def test_train_refuses_malformed_widths_and_stages_in_one_line_before_training(flags, said, tmp_path, capsys):
     from tome_core.bench.proxy.__main__ import main
 
@@ -174,6 +176,33 @@ def test_shifted_timesteps_follow_the_shift_and_only_the_evaluation_size_stage_d
     assert not all(torch.equal(after[1.0][0][k], after[3.0][0][k]) for k in after[1.0][0])
     assert "eval_shift" not in training.training_metadata(training.TrainConfig())
     assert training.training_metadata(training.TrainConfig(eval_shift=3.0))["eval_shift"] == "3.0"
+
+
+def test_deep_first_trains_only_the_deepest_attention_level_in_its_stages_then_every_level():
+    images = [torch.linspace(-1, 1, 3 * 80 * 80).view(3, 80, 80)]
+    first_stage = ((16, 6, 1),)
+    runs = {stages: training.train(training.TrainConfig(seed=3, stages=stages, warmup=1, deep_first=1), images,
+                                   log=lambda line: None)
+            for stages in (first_stage, first_stage + ((32, 4, 1),))}
+    initial = dict(proxy.build_proxy_unet(3, "sd15").named_parameters())
+    levels = tome_core.patch.transformer_levels(proxy.build_proxy_unet(3, "sd15"))
+    names = {level: [f"{path}.{n}" for path, module, lv in levels if lv == level for n, _ in module.named_parameters()]
+             for level in {lv for _, _, lv in levels}}
+    assert sorted(names) == [0, 1, 2, 3]  # SD 1.x: 4,096, 1,024 and 256 tokens, and the middle block's 64
+
+    def moved(state, level):  # how many of the level's parameters training moved (the EMA rounds at 1e-7)
+        return sum(not torch.allclose(state[n], initial[n].detach(), rtol=1e-6, atol=1e-7) for n in names[level])
+
+    # In the first stage the levels above the middle block never reach the loss, so they keep their initial
+    # weights; the middle block's transformer and the rest of the U-Net learn.
+    after_first = runs[first_stage]
+    assert [moved(after_first, level) for level in (0, 1, 2)] == [0, 0, 0]
+    assert moved(after_first, 3) > len(names[3]) // 2
+    assert not torch.allclose(after_first["out.2.weight"], initial["out.2.weight"].detach(), rtol=1e-6, atol=1e-7)
+    # From the next stage on every level learns.
+    assert all(moved(runs[first_stage + ((32, 4, 1),)], level) > len(names[level]) // 2 for level in names)
+    assert training.training_metadata(training.TrainConfig(deep_first=1))["deep_first"] == "1"
+    assert "deep_first" not in training.training_metadata(training.TrainConfig())
 
 
 def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):

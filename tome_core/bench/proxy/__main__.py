@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--eval-shift", type=float, default=1.0, metavar="S",
                          help="at the evaluation size, draw timesteps toward the noisy end by S (default 1: "
                               "uniform; 3 puts three in four above the middle)")
+    p_train.add_argument("--deep-first", type=int, default=0, metavar="N",
+                         help="train the first N stages with only the deepest attention level's transformers "
+                              "(the others return their input), so that level learns the layout (default 0)")
     p_train.add_argument("--save-every-stage", default=None, metavar="PATTERN",
                          help="also write the weights after each stage, to PATTERN with {stage} in it")
     p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
@@ -134,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
         if not (args.eval_shift > 0 and math.isfinite(args.eval_shift)):
             parser.error(f"--eval-shift {args.eval_shift:g}: expected a positive number")
+        if not 0 <= args.deep_first < len(stages):
+            parser.error(f"--deep-first {args.deep_first}: expected 0 to {len(stages) - 1}, fewer than the "
+                         f"{len(stages)} stages, so the other levels train at all")
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
                              data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor,
-                             channel_mult=widths, eval_shift=args.eval_shift)
+                             channel_mult=widths, eval_shift=args.eval_shift, deep_first=args.deep_first)
         start = time.time()
         losses = []
 

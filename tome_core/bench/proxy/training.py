@@ -12,6 +12,7 @@ and thread count. The images in ``HELD_OUT`` are never used in training.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..archs import use_webui_unet
+from ..levels import attention_levels, skipped
 from ..pipeline import sd_alphas_cumprod
 from . import (CONTEXT_DIM, CONTEXT_TOKENS, EVAL_SIZE, LAYOUTS, PromptEncoder, arch_with_widths, build_proxy_unet,
                scenes)
@@ -59,6 +61,13 @@ class TrainConfig:
     # picture's layout is gets decided at high noise, and the small stages taught it at their sizes only; the
     # low-noise steps' work is local and carries over from them.
     eval_shift: float = 1.0
+    # A curriculum: the first ``deep_first`` stages train with every attention level's transformers but the
+    # deepest's returning their input, so the deep level learns the picture's layout (where and what, from the
+    # prompt) before the levels above can; they join at the next stage, starting as the identity (their output
+    # projections are zero), and learn what is left. In SDXL the deep level is where the layout is decided;
+    # trained all at once, a proxy's 4,096-token level took it on, more or less by seed
+    # (docs/proxy.md#prompted-proxies).
+    deep_first: int = 0
 
 
 def load_photographs(names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -183,47 +192,52 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     alphas = sd_alphas_cumprod().float()
     total = sum(steps for _, steps, _ in config.stages)
     step, start, recent = 0, time.time(), []
-    for size, steps, batch in config.stages:
-        for _ in range(steps):
-            warm = min(1.0, (step + 1) / config.warmup)
-            if config.lr_floor:
-                cosine = 0.5 * (1 + math.cos(math.pi * step / total))
-                lr = config.lr * warm * (config.lr_floor + (1 - config.lr_floor) * cosine)
-            else:  # the photographs' proxies' own expression, so they train again bit for bit
-                lr = config.lr * warm * 0.5 * (1 + math.cos(math.pi * step / total))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            if prompted:
-                x0, said = scenes.scene_batch(pyramids, backgrounds, batch, size, gen, random_crops)
-                dropped = scenes.drop_prompts(batch, config.drop_prompt, gen)
-                words = torch.stack([scenes.tokens(scenes.EMPTY if drop else scene, encoder.vocab)
-                                     for scene, drop in zip(said, dropped)])
-                context = encoder(words)
-            else:
-                x0 = random_crops(pyramids, batch, size, gen)
-                context = extra["context"].expand(batch, -1, -1)
-            if config.eval_shift != 1.0 and size == LAYOUTS[config.layout].eval_size:
-                t = shifted_timesteps(batch, config.eval_shift, len(alphas), gen)
-            else:
-                t = torch.randint(0, len(alphas), (batch,), generator=gen)
-            noise = torch.randn(x0.shape, generator=gen)
-            pred = unet(noised(x0, t, noise, alphas), t, context=context)
-            loss = F.mse_loss(pred, noise)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            with torch.no_grad():
-                # EMA from the start would drag in the random init for ~1/(1-decay) steps; ramp the decay up.
-                decay = min(config.ema, (1 + step) / (10 + step))
-                for e, p in zip(ema, params):
-                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
-            recent.append(loss.item())
-            step += 1
-            if step % 100 == 0 or step == total:
-                log(f"step {step}/{total} size {size} loss(last 100) {sum(recent) / len(recent):.4f} "
-                    f"lr {lr:.2e} {time.time() - start:.0f}s")
-                recent = []
+    upper = frozenset(attention_levels(unet)[:-1])
+    for stage, (size, steps, batch) in enumerate(config.stages):
+        # The upper levels' transformers still run with their output dropped: no gradient reaches them, and
+        # AdamW without weight decay leaves a parameter that has none where it is.
+        held = skipped(unet, upper) if stage < config.deep_first else contextlib.nullcontext()
+        with held:
+            for _ in range(steps):
+                warm = min(1.0, (step + 1) / config.warmup)
+                if config.lr_floor:
+                    cosine = 0.5 * (1 + math.cos(math.pi * step / total))
+                    lr = config.lr * warm * (config.lr_floor + (1 - config.lr_floor) * cosine)
+                else:  # the photographs' proxies' own expression, so they train again bit for bit
+                    lr = config.lr * warm * 0.5 * (1 + math.cos(math.pi * step / total))
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                if prompted:
+                    x0, said = scenes.scene_batch(pyramids, backgrounds, batch, size, gen, random_crops)
+                    dropped = scenes.drop_prompts(batch, config.drop_prompt, gen)
+                    words = torch.stack([scenes.tokens(scenes.EMPTY if drop else scene, encoder.vocab)
+                                         for scene, drop in zip(said, dropped)])
+                    context = encoder(words)
+                else:
+                    x0 = random_crops(pyramids, batch, size, gen)
+                    context = extra["context"].expand(batch, -1, -1)
+                if config.eval_shift != 1.0 and size == LAYOUTS[config.layout].eval_size:
+                    t = shifted_timesteps(batch, config.eval_shift, len(alphas), gen)
+                else:
+                    t = torch.randint(0, len(alphas), (batch,), generator=gen)
+                noise = torch.randn(x0.shape, generator=gen)
+                pred = unet(noised(x0, t, noise, alphas), t, context=context)
+                loss = F.mse_loss(pred, noise)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                with torch.no_grad():
+                    # EMA from the start would drag in the random init for ~1/(1-decay) steps; ramp the decay up.
+                    decay = min(config.ema, (1 + step) / (10 + step))
+                    for e, p in zip(ema, params):
+                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                recent.append(loss.item())
+                step += 1
+                if step % 100 == 0 or step == total:
+                    log(f"step {step}/{total} size {size} loss(last 100) {sum(recent) / len(recent):.4f} "
+                        f"lr {lr:.2e} {time.time() - start:.0f}s")
+                    recent = []
         if config.save_every_stage:
             save_weights(_named(unet, extra, ema), config.save_every_stage.format(stage=f"{size}px"),
                          training_metadata(config), config.layout)
@@ -246,6 +260,8 @@ def training_metadata(config: TrainConfig) -> dict[str, str]:
                    drop_prompt=str(config.drop_prompt), lr_floor=str(config.lr_floor))
     if config.eval_shift != 1.0:
         out["eval_shift"] = str(config.eval_shift)
+    if config.deep_first:
+        out["deep_first"] = str(config.deep_first)
     return out
 
 
