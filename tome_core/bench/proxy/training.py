@@ -12,7 +12,6 @@ and thread count. The images in ``HELD_OUT`` are never used in training.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -195,9 +194,8 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     upper = frozenset(attention_levels(unet)[:-1])
     for stage, (size, steps, batch) in enumerate(config.stages):
         # The upper levels' transformers still run with their output dropped: no gradient reaches them, and
-        # AdamW without weight decay leaves a parameter that has none where it is.
-        held = skipped(unet, upper) if stage < config.deep_first else contextlib.nullcontext()
-        with held:
+        # AdamW without weight decay leaves a parameter that has none where it is. Skipping no level hooks nothing.
+        with skipped(unet, upper if stage < config.deep_first else frozenset()):
             for _ in range(steps):
                 warm = min(1.0, (step + 1) / config.warmup)
                 if config.lr_floor:
