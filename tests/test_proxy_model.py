@@ -141,7 +141,8 @@ def test_a_proxy_of_other_widths_loads_as_trained_and_other_levels_are_refused(t
                                          (["--eval-shift", "nan"], "expected a positive number"),
                                          (["--eval-shift", "inf"], "expected a positive number"),
                                          (["--deep-first", "3"], "expected 0 to 2, fewer than the 3 stages"),
-                                         (["--deep-first", "-1"], "expected 0 to 2")])
+                                         (["--deep-first", "-1"], "expected 0 to 2"),
+                                         (["--first-levels", "ends"], "give --deep-first N too")])
 def test_train_refuses_malformed_widths_and_stages_in_one_line_before_training(flags, said, tmp_path, capsys):
     from tome_core.bench.proxy.__main__ import main
 
@@ -178,11 +179,12 @@ def test_shifted_timesteps_follow_the_shift_and_only_the_evaluation_size_stage_d
     assert training.training_metadata(training.TrainConfig(eval_shift=3.0))["eval_shift"] == "3.0"
 
 
-def test_deep_first_trains_only_the_deepest_attention_level_in_its_stages_then_every_level():
+@pytest.mark.parametrize("first_levels, trained_first", [("deepest", {3}), ("ends", {0, 3})])
+def test_deep_first_trains_only_the_chosen_attention_levels_in_its_stages_then_every_level(first_levels, trained_first):
     images = [torch.linspace(-1, 1, 3 * 80 * 80).view(3, 80, 80)]
     first_stage = ((16, 6, 1),)
-    runs = {stages: training.train(training.TrainConfig(seed=3, stages=stages, warmup=1, deep_first=1), images,
-                                   log=lambda line: None)
+    runs = {stages: training.train(training.TrainConfig(seed=3, stages=stages, warmup=1, deep_first=1,
+                                                        first_levels=first_levels), images, log=lambda line: None)
             for stages in (first_stage, first_stage + ((32, 4, 1),))}
     initial = dict(proxy.build_proxy_unet(3, "sd15").named_parameters())
     levels = tome_core.patch.transformer_levels(proxy.build_proxy_unet(3, "sd15"))
@@ -193,16 +195,26 @@ def test_deep_first_trains_only_the_deepest_attention_level_in_its_stages_then_e
     def moved(state, level):  # how many of the level's parameters training moved (the EMA rounds at 1e-7)
         return sum(not torch.allclose(state[n], initial[n].detach(), rtol=1e-6, atol=1e-7) for n in names[level])
 
-    # In the first stage the levels above the middle block never reach the loss, so they keep their initial
-    # weights; the middle block's transformer and the rest of the U-Net learn.
+    # In the first stage the held levels never reach the loss, so they keep their initial weights; the chosen
+    # levels' transformers (the middle block's; with "ends" the 4,096-token level's too) and the rest of the
+    # U-Net learn.
     after_first = runs[first_stage]
-    assert [moved(after_first, level) for level in (0, 1, 2)] == [0, 0, 0]
-    assert moved(after_first, 3) > len(names[3]) // 2
+    assert all(moved(after_first, level) == 0 for level in set(names) - trained_first)
+    assert all(moved(after_first, level) > len(names[level]) // 2 for level in trained_first)
     assert not torch.allclose(after_first["out.2.weight"], initial["out.2.weight"].detach(), rtol=1e-6, atol=1e-7)
     # From the next stage on every level learns.
     assert all(moved(runs[first_stage + ((32, 4, 1),)], level) > len(names[level]) // 2 for level in names)
-    assert training.training_metadata(training.TrainConfig(deep_first=1))["deep_first"] == "1"
+    said = training.training_metadata(training.TrainConfig(deep_first=1, first_levels=first_levels))
+    assert said["deep_first"] == "1" and said.get("first_levels", "deepest") == first_levels
+    assert ("first_levels" in said) == (first_levels != "deepest")
     assert "deep_first" not in training.training_metadata(training.TrainConfig())
+
+
+def test_held_levels_are_every_attention_level_but_the_chosen_ones():
+    assert training.held_levels([0, 1, 2, 3], "deepest") == {0, 1, 2}
+    assert training.held_levels([0, 1, 2, 3], "ends") == {1, 2}
+    assert training.held_levels([1, 2], "deepest") == {1}  # SDXL's two levels: its deep level trains first
+    assert training.held_levels([1, 2], "ends") == set()  # both are ends: nothing held, every level trains
 
 
 def test_layout_is_sd1_and_the_patcher_merges_4096_top_tokens_at_64px(pipe):

@@ -16,7 +16,7 @@ from ..pipeline import Pipeline
 from ..sampling import DEFAULT_CFG, Guidance, euler_sample
 from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, PROMPTED_WIDTHS, WEIGHTS_FILE, load_proxy
 from . import __doc__ as MODEL_DOC
-from .training import TrainConfig, save_weights, train, training_metadata
+from .training import FIRST_LEVELS, TrainConfig, save_weights, train, training_metadata
 
 
 def sample_grid(pipe: Pipeline, rows: int = 4, cols: int = 4, size: int = EVAL_SIZE, steps: int = 25,
@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--deep-first", type=int, default=0, metavar="N",
                          help="train the first N stages with only the deepest attention level's transformers "
                               "(the others return their input), so that level learns the layout (default 0)")
+    p_train.add_argument("--first-levels", default="deepest", choices=FIRST_LEVELS,
+                         help="which attention levels the --deep-first stages train: deepest (the default) or ends, "
+                              "the deepest and the highest-resolution one (the levels between join after)")
     p_train.add_argument("--save-every-stage", default=None, metavar="PATTERN",
                          help="also write the weights after each stage, to PATTERN with {stage} in it")
     p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
@@ -140,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.deep_first < len(stages):
             parser.error(f"--deep-first {args.deep_first}: expected 0 to {len(stages) - 1}, fewer than the "
                          f"{len(stages)} stages, so the other levels train at all")
+        if args.first_levels != "deepest" and not args.deep_first:
+            parser.error(f"--first-levels {args.first_levels}: says which levels the --deep-first stages train; "
+                         f"give --deep-first N too")
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
                              data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor,
-                             channel_mult=widths, eval_shift=args.eval_shift, deep_first=args.deep_first)
+                             channel_mult=widths, eval_shift=args.eval_shift, deep_first=args.deep_first,
+                             first_levels=args.first_levels)
         start = time.time()
         losses = []
 

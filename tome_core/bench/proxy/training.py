@@ -67,6 +67,22 @@ class TrainConfig:
     # trained all at once, a proxy's 4,096-token level took it on, more or less by seed
     # (docs/proxy.md#prompted-proxies).
     deep_first: int = 0
+    # Which levels those stages train (``FIRST_LEVELS``): "deepest", or "ends": the deepest and the highest-
+    # resolution one, the levels between joining later. Trained deepest-first, SD 1.5's 4,096-token level joined
+    # last and did too little; trained together with the deepest, each takes a part of the picture the other
+    # cannot (the layout, the full-resolution detail) before the levels between can take either.
+    first_levels: str = "deepest"
+
+
+# What ``TrainConfig.first_levels`` may say.
+FIRST_LEVELS = ("deepest", "ends")
+
+
+def held_levels(levels: list[int], first_levels: str) -> frozenset[int]:
+    """Of the sorted attention ``levels``, those a curriculum's first stages hold back (their transformers
+    return their input): every one but the deepest, and with "ends" but the highest-resolution one too."""
+    trained = {levels[-1]} | ({levels[0]} if first_levels == "ends" else set())
+    return frozenset(levels) - trained
 
 
 def load_photographs(names: tuple[str, ...]) -> list[torch.Tensor]:
@@ -191,11 +207,11 @@ def train(config: TrainConfig, images: list[torch.Tensor] | None = None, log=pri
     alphas = sd_alphas_cumprod().float()
     total = sum(steps for _, steps, _ in config.stages)
     step, start, recent = 0, time.time(), []
-    upper = frozenset(attention_levels(unet)[:-1])
+    held = held_levels(attention_levels(unet), config.first_levels)
     for stage, (size, steps, batch) in enumerate(config.stages):
-        # The upper levels' transformers still run with their output dropped: no gradient reaches them, and
+        # The held levels' transformers still run with their output dropped: no gradient reaches them, and
         # AdamW without weight decay leaves a parameter that has none where it is. Skipping no level hooks nothing.
-        with skipped(unet, upper if stage < config.deep_first else frozenset()):
+        with skipped(unet, held if stage < config.deep_first else frozenset()):
             for _ in range(steps):
                 warm = min(1.0, (step + 1) / config.warmup)
                 if config.lr_floor:
@@ -260,6 +276,8 @@ def training_metadata(config: TrainConfig) -> dict[str, str]:
         out["eval_shift"] = str(config.eval_shift)
     if config.deep_first:
         out["deep_first"] = str(config.deep_first)
+        if config.first_levels != "deepest":
+            out["first_levels"] = config.first_levels
     return out
 
 
