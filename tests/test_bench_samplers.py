@@ -42,6 +42,27 @@ def test_proxy_weights_of_ones_choosing_are_measured_instead_of_the_shipped_ones
     assert len(rows) == 1 and rows[0].startswith("| seed 1 | Euler |")
 
 
+def test_drift_share_sets_caches_share_for_its_run_only_and_changes_its_pictures(capsys, monkeypatch):
+    from tome_core.bench import proxy
+    from tome_core.methods import cache
+
+    shares = []
+    run = samplers._run
+    monkeypatch.setattr(samplers, "_run", lambda args, argv: shares.append(cache.DRIFT_SHARE) or run(args, argv))
+    before = cache.DRIFT_SHARE
+    figures = {}
+    for share in ("0", "2"):
+        assert samplers.main(["--layout", "sd15", "--proxy", proxy.SHIPPED_WEIGHTS[0], "--samplers", "euler",
+                              "--contenders", "cache2", "--steps", "8", "--images", "1", "--drift-share", share]) == 0
+        [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| seed")]
+        figures[share] = row.split("|")[4]
+    assert shares == [0.0, 2.0] and cache.DRIFT_SHARE == before  # the engine's own share again after each run
+    assert figures["0"] != figures["2"]  # the reused steps carry the drift on, or not
+    with pytest.raises(SystemExit):
+        samplers.main(["--drift-share", "-1"])
+    assert "expected 0 to 2" in capsys.readouterr().err
+
+
 def test_ancestral_noise_repeats_and_no_patch_gives_the_unmerged_picture():
     _, pipe = load_proxies(torch.device("cpu"), torch.float32)[0]
     noise = noise_for(pipe, pipe.size, 1, 0)

@@ -4,8 +4,10 @@ and call slot, never across runs, sizes or restores.
 The oracle is the unpatched U-Net with plain forward hooks on its transformers: on a full step they record each
 transformer's input and output, and the gain that best maps its input's move since the last full call of the same
 call slot onto its output's (least squares, per batch row, solved by ``torch.linalg.lstsq`` in float64, kept in
-[0, 1.5]; 1 at the first full call); on a reused step they replace each output by the recorded output plus the
-gain times the input's move since the recorded input."""
+[0, 1.5]; 1 at the first full call), and from the second full call the drift: the output's move per step since
+the last full call beyond the gain times the input's move; on a reused step they replace each output by the
+recorded output plus the gain times the input's move since the recorded input, plus half the drift for each step
+since the recorded one."""
 
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ class Oracle:
     def __init__(self, unet, levels=None) -> None:
         self.kept: dict = {}
         self.gains: list = []  # every gain fitted, to show they are not all 1
-        self.mode, self.slot = "full", 0
+        self.drifts: list = []  # every drift and the output it was measured at, to show it is not negligible
+        self.mode, self.slot, self.step = "full", 0, 0
         chosen = tome_core.patch.transformer_levels(unet)
         below_top = sorted({lv for _, _, lv in chosen})[1:]  # "auto": every level but the highest-resolution one
         lowest = set(below_top) if levels is None else levels
@@ -67,11 +70,17 @@ class Oracle:
             if self.mode == "full":
                 before = self.kept.get(key)
                 gain = 1.0 if before is None else least_squares_gain(before[0], before[1], x, y)
-                self.kept[key] = (x.clone(), y.clone(), gain)
+                # The drift: the output's move per step beyond the gain times the input's move.
+                drift = None if before is None else ((y - before[1]) - gain * (x - before[0])) / (self.step - before[3])
+                self.kept[key] = (x.clone(), y.clone(), gain, self.step, drift)
                 self.gains.append(gain)
+                if drift is not None:
+                    self.drifts.append((drift, y.clone()))
                 return None
-            x0, y0, gain = self.kept[key]
+            x0, y0, gain, step0, drift = self.kept[key]
             new = y0 + gain * (x - x0)
+            if drift is not None:  # half the drift for each step since the full one
+                new = new + 0.5 * (self.step - step0) * drift
             return new if isinstance(output, torch.Tensor) else (new,) + tuple(output[1:])
         return hook
 
@@ -100,11 +109,13 @@ def test_each_step_is_the_oracles_full_or_reused_step(layout, warmup, interval):
     oracle = Oracle(unet)
     want = []
     for i, (x, t) in enumerate(zip(xs, ts)):
-        oracle.mode = "full" if _full(i, warmup, interval) else "reuse"
+        oracle.step, oracle.mode = i, "full" if _full(i, warmup, interval) else "reuse"
         want.append(run(unet, x, t, c))
     oracle.remove()
     fitted = [g for g in oracle.gains if isinstance(g, torch.Tensor)]
     assert fitted and not all(torch.allclose(g, torch.ones_like(g), atol=0.02) for g in fitted)  # not the plain change
+    # A drift the reused steps would show without: a change per step of at least a thousandth of the output.
+    assert any(float(d.norm()) > 1e-3 * float(y.norm()) for d, y in oracle.drifts)
     got = _patched_run(unet, xs, ts, c, cache_warmup=warmup, cache_interval=interval)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.allclose(a, b, atol=1e-6), i
@@ -127,10 +138,10 @@ def test_the_fitted_gain_is_each_rows_least_squares_slope():
     dx = (x - x0).flatten(1)
     unrelated -= ((unrelated.flatten(1) * dx).sum(1) / (dx * dx).sum(1).clamp_min(1e-12)).view(-1, 1, 1, 1) * (x - x0)
     y = y0 + drawn * (x - x0) + 0.3 * unrelated  # the unrelated part has no share along the input's move
-    gain = cache.fitted_gain(cache._Kept(x0, y0, 1.0, None), x, y)
+    gain = cache.fitted_gain(cache._Kept(x0, y0, 1.0, None, 0, None), x, y)
     assert gain.shape == (4, 1, 1, 1)
     assert torch.allclose(gain.flatten(), torch.tensor([0.8, 1.2, 1.5, 1.0]), atol=1e-5)
-    half = cache.fitted_gain(cache._Kept(x0.half(), y0.half(), 1.0, None), x.half(), y.half())
+    half = cache.fitted_gain(cache._Kept(x0.half(), y0.half(), 1.0, None, 0, None), x.half(), y.half())
     assert half.dtype == torch.float16 and torch.allclose(half.float().flatten()[:2], drawn.flatten()[:2], atol=1e-2)
 
 
@@ -182,7 +193,7 @@ def _two_evaluations_a_step():
     oracle = Oracle(unet)
     want = []
     for i in range(STEPS):
-        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
+        oracle.step, oracle.mode = i, "full" if _full(i, 2, 8) else "reuse"
         for slot, x in enumerate((xs[i], second[i])):
             oracle.slot = slot
             want.append(run(unet, x, ts[i], c))
@@ -283,7 +294,7 @@ def test_without_progress_the_timestep_tells_the_steps():
     oracle = Oracle(unet)
     want = []
     for i, (x, t) in enumerate(zip(xs, ts)):
-        oracle.mode = "full" if _full(i, 1, 2) else "reuse"
+        oracle.step, oracle.mode = i, "full" if _full(i, 1, 2) else "reuse"
         want.append(run(unet, x, t, c))
     oracle.remove()
     untold = _patched_run(unet, xs, ts, c, progress=False, cache_warmup=1, cache_interval=2)
@@ -372,8 +383,9 @@ def test_kept_memory_is_an_input_and_output_per_stack_and_slot_and_the_restore_i
         handle.remove()
     _patched_run(unet, xs[:3], ts[:3], c, calls_per_step=2)
     # Per stack and slot (two slots of half the batch: the sizes of one call of the whole batch) an input and an
-    # output, and from the second full step a gain per row: 2 slots × len(sizes) stacks × 1 row of float32.
-    assert tome_core.get_patch(unet).method_patch.kept_bytes() == 2 * sum(sizes) + 2 * len(sizes) * 4
+    # output, and from the second full step a drift of the same size and a gain per row: 2 slots × len(sizes)
+    # stacks × 1 row of float32.
+    assert tome_core.get_patch(unet).method_patch.kept_bytes() == 3 * sum(sizes) + 2 * len(sizes) * 4
     tome_core.remove_patch(unet)
     assert hook_counts(unet) == hooks
     assert not any("forward" in m.__dict__ for m in unet.modules())
@@ -389,7 +401,7 @@ def test_a_diffusers_unet_reuses_through_its_tuple_outputs():
     oracle = Oracle(unet)
     want = []
     for i in range(STEPS):
-        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
+        oracle.step, oracle.mode = i, "full" if _full(i, 2, 8) else "reuse"
         want.append(run_diffusers(unet, xs[i], ts[i], c))
     oracle.remove()
     tome_core.apply_patch(unet, method="cache")
@@ -441,7 +453,7 @@ def test_controlnet_residuals_act_on_every_step_the_reused_ones_too():
     oracle = Oracle(unet)
     want = []
     for i in range(STEPS):
-        oracle.mode = "full" if _full(i, 2, 8) else "reuse"
+        oracle.step, oracle.mode = i, "full" if _full(i, 2, 8) else "reuse"
         want.append(run_diffusers(unet, xs[i], ts[i], c, **controls[i]))
     oracle.remove()
     tome_core.apply_patch(unet, method="cache")

@@ -18,6 +18,7 @@ import sys
 import torch
 
 import tome_core
+from tome_core.methods import cache as cache_method
 
 from .contenders import Wrapped
 from .fidelity import noise_for
@@ -145,8 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-figures", action="store_true",
                     help="also the one-step figures along the unmerged Euler run (every step alike, weighted by "
                          "each step's move of the sample, and the moves' errors summed), without guidance")
+    ap.add_argument("--drift-share", type=float, default=None, metavar="S",
+                    help=f"the share of a stack's drift Cache's reused calls carry on, for this run only (default: "
+                         f"the engine's, {cache_method.DRIFT_SHARE:g}; 0: none, as Cache before 2026-12-06)")
     args = ap.parse_args(argv)
-    return with_threads(args.threads, lambda: _run(args, argv))
+    if args.drift_share is not None and not (0 <= args.drift_share <= 2):
+        ap.error(f"--drift-share {args.drift_share:g}: expected 0 to 2")
+    share = cache_method.DRIFT_SHARE
+    if args.drift_share is not None:
+        cache_method.DRIFT_SHARE = args.drift_share
+    try:
+        return with_threads(args.threads, lambda: _run(args, argv))
+    finally:
+        cache_method.DRIFT_SHARE = share
 
 
 def proxies_of_the_run(args: argparse.Namespace, argv: list[str] | None, room: str) -> list:
