@@ -210,6 +210,23 @@ def test_deep_first_trains_only_the_chosen_attention_levels_in_its_stages_then_e
     assert "deep_first" not in training.training_metadata(training.TrainConfig())
 
 
+@pytest.mark.parametrize("layout, flags, said", [("sd15", [], {"deep_first": "1", "first_levels": "ends"}),
+                                                  ("sd15", ["--deep-first", "0"], {}),
+                                                  ("sd15", ["--first-levels", "deepest"], {"deep_first": "1"}),
+                                                  ("sdxl", [], {})])
+def test_a_prompted_proxy_trains_with_its_layouts_curriculum_unless_told_otherwise(layout, flags, said, tmp_path):
+    from safetensors import safe_open
+
+    from tome_core.bench.proxy.__main__ import main
+
+    out = str(tmp_path / "prompted.safetensors")
+    stages = "16:1:1,16:1:1" if layout == "sd15" else "32:1:1,32:1:1"
+    assert main(["train", "--layout", layout, "--data", "scenes", "--stages", stages, "--out", out] + flags) == 0
+    with safe_open(out, "pt") as weights:
+        metadata = weights.metadata()
+    assert {k: metadata[k] for k in ("deep_first", "first_levels") if k in metadata} == said
+
+
 def test_held_levels_are_every_attention_level_but_the_chosen_ones():
     assert training.held_levels([0, 1, 2, 3], "deepest") == {0, 1, 2}
     assert training.held_levels([0, 1, 2, 3], "ends") == {1, 2}

@@ -134,6 +134,13 @@ PROMPTED_STAGES = {
 # level, skipped, moved the pictures to 22 to 28 dB; at three times to 14 to 16 on seed 0, but 21.5 and 25.6 on
 # seeds 1 and 2: not yet the 20 dB bar on every seed.
 PROMPTED_WIDTHS: dict[str, tuple[int, ...] | None] = {"sd15": None, "sdxl": (1, 1, 3)}
+# Their curriculum (``TrainConfig.deep_first``, ``TrainConfig.first_levels``). SD 1.5's first stage trains the
+# middle block's transformer and the 4,096-token level's together, the two levels between held: trained all at
+# once its middle block, skipped, moved the pictures to 26 to 29 dB only; deepest-first, its 4,096-token level to
+# 27 to 33; both ends first, both ends to 11.7 to 14.2 and the two levels between to 16.5 to 22.5 on three seeds
+# (Euler; docs/proxy.md#prompted-proxies): the closest to the 20 dB bar on every level yet. SDXL's layout has no
+# level between its two; deepest-first for its whole first stage took the work from its 4,096-token level.
+PROMPTED_CURRICULUM: dict[str, tuple[int, str]] = {"sd15": (1, "ends"), "sdxl": (0, "deepest")}
 
 
 class PromptEncoder(nn.Module):

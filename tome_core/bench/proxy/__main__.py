@@ -14,7 +14,7 @@ import torch
 
 from ..pipeline import Pipeline
 from ..sampling import DEFAULT_CFG, Guidance, euler_sample
-from . import EVAL_SIZE, LAYOUTS, PROMPTED_STAGES, PROMPTED_WIDTHS, WEIGHTS_FILE, load_proxy
+from . import EVAL_SIZE, LAYOUTS, PROMPTED_CURRICULUM, PROMPTED_STAGES, PROMPTED_WIDTHS, WEIGHTS_FILE, load_proxy
 from . import __doc__ as MODEL_DOC
 from .training import FIRST_LEVELS, TrainConfig, save_weights, train, training_metadata
 
@@ -109,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--eval-shift", type=float, default=1.0, metavar="S",
                          help="at the evaluation size, draw timesteps toward the noisy end by S (default 1: "
                               "uniform; 3 puts three in four above the middle)")
-    p_train.add_argument("--deep-first", type=int, default=0, metavar="N",
+    p_train.add_argument("--deep-first", type=int, default=None, metavar="N",
                          help="train the first N stages with only the deepest attention level's transformers "
-                              "(the others return their input), so that level learns the layout (default 0)")
-    p_train.add_argument("--first-levels", default="deepest", choices=FIRST_LEVELS,
-                         help="which attention levels the --deep-first stages train: deepest (the default) or ends, "
-                              "the deepest and the highest-resolution one (the levels between join after)")
+                              "(the others return their input), so that level learns the layout (default 0; a "
+                              "prompted SD 1.5 proxy's own with --data scenes: 1)")
+    p_train.add_argument("--first-levels", default=None, choices=FIRST_LEVELS,
+                         help="which attention levels the --deep-first stages train: deepest or ends, the deepest "
+                              "and the highest-resolution one, the levels between joining after (default deepest; "
+                              "a prompted SD 1.5 proxy's own with --data scenes: ends)")
     p_train.add_argument("--save-every-stage", default=None, metavar="PATTERN",
                          help="also write the weights after each stage, to PATTERN with {stage} in it")
     p_samples = sub.add_parser("samples", help="write a grid of samples of the shipped (or a given) model")
@@ -140,16 +142,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
         if not (args.eval_shift > 0 and math.isfinite(args.eval_shift)):
             parser.error(f"--eval-shift {args.eval_shift:g}: expected a positive number")
-        if not 0 <= args.deep_first < len(stages):
-            parser.error(f"--deep-first {args.deep_first}: expected 0 to {len(stages) - 1}, fewer than the "
-                         f"{len(stages)} stages, so the other levels train at all")
-        if args.first_levels != "deepest" and not args.deep_first:
-            parser.error(f"--first-levels {args.first_levels}: says which levels the --deep-first stages train; "
-                         f"give --deep-first N too")
+        deep_first, first_levels = PROMPTED_CURRICULUM[args.layout] if args.data == "scenes" else (0, "deepest")
+        deep_first = min(deep_first, len(stages) - 1)  # a recipe of one stage has none to train the rest in
+        if args.deep_first is not None:
+            if not 0 <= args.deep_first < len(stages):
+                parser.error(f"--deep-first {args.deep_first}: expected 0 to {len(stages) - 1}, fewer than the "
+                             f"{len(stages)} stages, so the other levels train at all")
+            deep_first = args.deep_first
+        if args.first_levels is not None:
+            if args.first_levels != "deepest" and not deep_first:
+                parser.error(f"--first-levels {args.first_levels}: says which levels the --deep-first stages "
+                             f"train; give --deep-first N too")
+            first_levels = args.first_levels
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
                              data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor,
-                             channel_mult=widths, eval_shift=args.eval_shift, deep_first=args.deep_first,
-                             first_levels=args.first_levels)
+                             channel_mult=widths, eval_shift=args.eval_shift, deep_first=deep_first,
+                             first_levels=first_levels)
         start = time.time()
         losses = []
 
