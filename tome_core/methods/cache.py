@@ -23,11 +23,11 @@ skipped on 15 steps of 20 costs a few additions per token instead.
 - What is kept is the transformer's input and output at its boundary (norm, projections, every block and the
   residual inside), its gain (``fitted_gain``: how much of an input's move the output follows; 1 before a
   second full call) and its drift (``drift_per_step``: how far the output moved per step beyond what the
-  input's move explains; none before a second full call), per batch row and per call slot (the order of a U-Net call within its sampling evaluation:
-  cond and uncond apart, a second-order sampler's two evaluations of a step), or where the host names the parts
-  of a call's batch (``set_call_rows``: ComfyUI's cond and uncond and each condition) per named part, so an
-  image never depends on the batch it was made in nor on how the host split its calls, and a reused call takes
-  what the same kind of call kept.
+  input's move explains; none before a second full call), per batch row and per call slot (the order of a
+  U-Net call within its sampling evaluation: cond and uncond apart, a second-order sampler's two evaluations
+  of a step), or where the host names the parts of a call's batch (``set_call_rows``: ComfyUI's cond and
+  uncond and each condition) per named part, so an image never depends on the batch it was made in nor on how
+  the host split its calls, and a reused call takes what the same kind of call kept.
 - A new run (progress or timestep going back: a new pass, a new job), a new image size or batch layout, and a
   restore each start afresh: nothing kept is ever applied to a call it was not made for.
 - ControlNet's residuals and anything else outside the stacks change every step as usual: what is kept is only
@@ -90,7 +90,7 @@ class _Kept:
         gain times the input's move, and by ``DRIFT_SHARE`` of its drift for each evaluation since."""
         out = self.output + self.gain * (x - self.input)
         if self.drift is not None and evaluation > self.evaluation:
-            out = out + (DRIFT_SHARE * (evaluation - self.evaluation)) * self.drift
+            out.add_(self.drift, alpha=DRIFT_SHARE * (evaluation - self.evaluation))  # ``out`` is new: no copy
         return out
 
     def nbytes(self) -> int:
@@ -121,8 +121,8 @@ def fitted_gain(before: _Kept, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
 # (seeds 1 and 2, CFG 7, docs/methods.md#cache): half the drift ended 2.2 and 3.5 dB closer to the whole model's
 # pictures than none with Euler, 3.2 with DPM++ 2M (seed 2), and about as close with Euler a (+0.6, −0.4); all
 # of it 2.5 dB closer with Euler on seed 2 but 2.0 further with Euler a, whose fresh noise at every step is part
-# of what a drift measures; a quarter gained less (1.5 dB on seed 1 with Euler). The drift is measured over the gap before the last full call and sampling
-# slows as it goes (the steps' moves shrink), so carrying all of it on overshoots.
+# of what a drift measures; a quarter gained less (1.5 dB on seed 1 with Euler). The drift is measured over the
+# gap before the last full call, and sampling slows as it goes (the steps' moves shrink), so all of it overshoots.
 DRIFT_SHARE = 0.5
 
 

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                               "uniform; 3 puts three in four above the middle)")
     p_train.add_argument("--deep-first", type=int, default=None, metavar="N",
                          help="train the first N stages with only the deepest attention level's transformers "
-                              "(the others return their input), so that level learns the layout (default 0; a "
+                              "(and the highest's, with --first-levels ends; the others return their input), so "
+                              "that level learns the layout (default 0; a "
                               "prompted SD 1.5 proxy's own with --data scenes: 1)")
     p_train.add_argument("--first-levels", default=None, choices=FIRST_LEVELS,
                          help="which attention levels the --deep-first stages train: deepest or ends, the deepest "
