@@ -213,7 +213,8 @@ def test_deep_first_trains_only_the_chosen_attention_levels_in_its_stages_then_e
 @pytest.mark.parametrize("layout, flags, said", [("sd15", [], {"deep_first": "1", "first_levels": "ends"}),
                                                   ("sd15", ["--deep-first", "0"], {}),
                                                   ("sd15", ["--first-levels", "deepest"], {"deep_first": "1"}),
-                                                  ("sdxl", [], {})])
+                                                  ("sdxl", [], {"deep_first": "1"}),
+                                                  ("sdxl", ["--deep-first", "0"], {})])
 def test_a_prompted_proxy_trains_with_its_layouts_curriculum_unless_told_otherwise(layout, flags, said, tmp_path):
     from safetensors import safe_open
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="train the first N stages with only the deepest attention level's transformers "
                               "(and the highest's, with --first-levels ends; the others return their input), so "
                               "that level learns the layout (default 0; a "
-                              "prompted SD 1.5 proxy's own with --data scenes: 1)")
+                              "prompted proxy's own with --data scenes: 1)")
     p_train.add_argument("--first-levels", default=None, choices=FIRST_LEVELS,
                          help="which attention levels the --deep-first stages train: deepest or ends, the deepest "
                               "and the highest-resolution one, the levels between joining after (default deepest; "
