@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--first-levels {args.first_levels}: says which levels the --deep-first stages "
                              f"train; give --deep-first N too")
             first_levels = args.first_levels
+        elif not deep_first:
+            first_levels = "deepest"  # the layout's curriculum said which levels go first; none do now
         config = TrainConfig(seed=args.seed, threads=args.threads, layout=args.layout, stages=stages,
                              data=args.data, save_every_stage=args.save_every_stage, lr_floor=args.lr_floor,
                              channel_mult=widths, eval_shift=args.eval_shift, deep_first=deep_first,
