@@ -245,9 +245,10 @@ def test_the_main_job_ends_with_the_sdxl_figure_or_says_why_it_has_none(monkeypa
 
     sd15 = proxy.SHIPPED_WEIGHTS[0]
     monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (str(tmp_path / "gone.safetensors"),))
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (str(tmp_path / "gone-too.safetensors"),))
     assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
         "# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy train --layout "
-        "sdxl --seed 0 makes one)"]
+        "sdxl --data scenes --seed 0 makes one)"]
     monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (sd15,))
     assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
         f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout"]

@@ -495,3 +495,106 @@ def test_sdxl_layout_proxies_predict_the_noise_and_stack_merging_moves_them_with
         changes.append(float((out - base).pow(2).mean().sqrt() / base.pow(2).mean().sqrt()))
     print(f"\nStack change at ratio 0.25/0.5/0.75: {changes}")
     assert 0 < changes[0] < changes[1] < changes[2]
+
+
+# -- the prompted SDXL-layout proxies ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[p for p in proxy.SHIPPED_PROMPTED_SDXL_WEIGHTS if os.path.isfile(p)],
+                ids=lambda path: os.path.basename(path))
+def each_prompted_sdxl(request) -> tuple[str, Pipeline]:
+    return request.param, proxy.load_proxy(path=request.param)
+
+
+def test_every_prompted_sdxl_proxy_ships_and_its_train_command_gives_its_own_recipe(monkeypatch):
+    """The file's training metadata is what the CLI makes of ``train_command``'s arguments: the command trains
+    that proxy again (the same seed, stages, widths, curriculum and words), and the three seeds differ."""
+    import shlex
+
+    from tome_core.bench.proxy import __main__ as cli
+
+    class Configured(Exception):
+        pass
+
+    def capture(config, log=print):
+        raise Configured(config)
+
+    monkeypatch.setattr(cli, "train", capture)
+    seeds = []
+    for path in proxy.SHIPPED_PROMPTED_SDXL_WEIGHTS:
+        assert os.path.isfile(path), proxy.train_command(path)
+        command = shlex.split(proxy.train_command(path))
+        assert command[:3] == ["python", "-m", "tome_core.bench.proxy"]
+        with pytest.raises(Configured) as configured:
+            cli.main(command[3:])
+        config = configured.value.args[0]
+        metadata = proxy.read_metadata(path)
+        assert {k: metadata.get(k) for k in training.training_metadata(config)} == training.training_metadata(config)
+        assert config.data == "scenes" and config.stages == proxy.PROMPTED_STAGES["sdxl"]
+        assert config.deep_first == proxy.PROMPTED_CURRICULUM["sdxl"][0]
+        assert json.loads(metadata["arch"])["channel_mult"] == list(proxy.PROMPTED_WIDTHS["sdxl"])
+        assert proxy.is_shipped(path) and proxy.describe(path) == f"seed {config.seed}"
+        seeds.append(config.seed)
+    assert seeds == [0, 1, 2]
+
+
+def test_prompted_sdxl_proxies_load_with_sdxls_levels_and_the_benchmarks_prompts(each_prompted_sdxl):
+    path, pipe = each_prompted_sdxl
+    assert os.path.getsize(path) <= 18e6 and pipe.size == proxy.SDXL_EVAL_SIZE == 128
+    assert pipe.label == "SDXL-layout proxy" and pipe.prompts == proxy.BENCHMARK_PROMPTS
+    depths = {}
+    for _, t, level in tome_core.patch.transformer_levels(pipe.unet):
+        depths.setdefault(level, set()).add(len(t.transformer_blocks))
+        assert t.proj_out.weight.abs().max() > 0.01  # trained away from the zero it starts at
+    assert depths == {1: {2}, 2: {10}}
+    # The empty prompt is guidance's unconditional half, and each word moves the context.
+    assert torch.equal(pipe.context, pipe.encode_prompt(""))
+    assert not torch.equal(pipe.encode_prompt(proxy.BENCHMARK_PROMPTS[0]), pipe.encode_prompt(""))
+
+
+def test_prompted_sdxl_proxies_predict_the_noise_better_when_told_the_scene(each_prompted_sdxl):
+    """On scenes drawn from a seed training never used, the noise prediction is far better than none, and
+    better with the scene's own prompt than with the empty one, most of all where the noise hides the layout."""
+    from tome_core.bench.proxy import scenes
+
+    _, pipe = each_prompted_sdxl
+    gen = torch.Generator().manual_seed(20261206)
+    pyramids = [training.pyramid(image) for image in training.load_photographs(training.TRAIN_IMAGES)]
+    x0, said = scenes.scene_batch(pyramids, training.TRAIN_IMAGES, 4, 128, gen, training.random_crops)
+    told = torch.cat([pipe.encode_prompt(scene.text) for scene in said])
+    noise = torch.randn(x0.shape, generator=gen)
+    errors = {}
+    for t_value in (T_MODERATE, 800):
+        t = torch.full((4,), t_value)
+        x = training.noised(x0, t, noise, sd_alphas_cumprod().float())
+        with torch.no_grad():
+            errors[t_value] = [float((pipe.unet(x, t, context=context) - noise).pow(2).mean())
+                               for context in (told, pipe.context.expand(4, -1, -1))]
+    print(f"\nnoise MSE with the prompt / the empty prompt: {errors}")
+    assert errors[T_MODERATE][0] < 0.3 * float(noise.pow(2).mean())
+    assert all(with_prompt < without for with_prompt, without in errors.values())
+
+
+def test_every_attention_level_of_a_prompted_sdxl_proxy_matters_and_so_does_the_prompt(each_prompted_sdxl):
+    """The yardstick's bar, as ``python -m tome_core.bench.levels`` measures it (Euler, 20 steps, 3 images,
+    guidance 7 batched): each attention level skipped alone moves the final pictures to 20 dB or less from the
+    whole model's, and so does asking for other prompts from the same noise."""
+    from tome_core.bench import levels
+    from tome_core.bench.fidelity import noise_for
+    from tome_core.bench.metrics import psnr_each
+    from tome_core.bench.samplers import final_pictures
+    from tome_core.bench.sampling import guidance_for
+
+    _, pipe = each_prompted_sdxl
+    noise = noise_for(pipe, pipe.size, 3, 0)
+    run = dict(steps=20, sampler="euler", noise_seed=7, options=None)
+    whole = final_pictures(pipe, noise, guidance=guidance_for(pipe, 3, 7.0), **run)
+    moved = {}
+    for level in levels.attention_levels(pipe.unet):
+        with levels.skipped(pipe.unet, {level}):
+            moved[level] = statistics.median(psnr_each(final_pictures(
+                pipe, noise, guidance=guidance_for(pipe, 3, 7.0), **run), whole))
+    moved["another prompt"] = statistics.median(psnr_each(final_pictures(
+        pipe, noise, guidance=guidance_for(pipe, 3, 7.0, shift=1), **run), whole))
+    print(f"\nfinal PSNR dB, each level skipped / another prompt: {moved}")
+    assert sorted(k for k in moved if k != "another prompt") == [1, 2]
+    assert all(db <= levels.MATTERS_DB for db in moved.values()), moved

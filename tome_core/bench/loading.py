@@ -171,7 +171,8 @@ def load_proxy_pipeline(device: torch.device, dtype: torch.dtype, path: str | No
 
 def _shipped(proxy, path: str) -> bool:
     """Whether ``path`` is one of ``proxy``'s shipped weight files (a stand-in may name none)."""
-    shipped = getattr(proxy, "SHIPPED_WEIGHTS", ()) + getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ())
+    shipped = (getattr(proxy, "SHIPPED_WEIGHTS", ()) + getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ())
+               + getattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", ()))
     return os.path.abspath(path) in {os.path.abspath(p) for p in shipped}
 
 

@@ -2,9 +2,9 @@
 
 ``python -m tome_core.bench`` measures the SD 1.5-layout proxies; racing every method on the SDXL-layout ones
 takes over an hour (``--layouts sd15 sdxl``). This room is the short part it ends with: on one SDXL-layout proxy
-(the shipped seed 0) at its evaluation size, with guidance as users sample where the proxy has prompts, the
-settings the README gives SDXL (Cache at its defaults; ToDo factor 2 at Merge levels 4 where Cache cannot run),
-each sampled once and set beside the unmerged run:
+(the shipped prompted seed 0, else the photograph-trained seed 0) at its evaluation size, with guidance as users
+sample where the proxy has prompts, the settings the README gives SDXL (Cache at its defaults; ToDo factor 2 at
+Merge levels 4 where Cache cannot run), each sampled once and set beside the unmerged run:
 
 - final PSNR against the unmerged pictures (median and range over the images);
 - the same with the levels the setting acts on skipped (their transformers return their input): how far the
@@ -13,7 +13,7 @@ each sampled once and set beside the unmerged run:
   reused calls differ, so one call's count would not say it): a figure no busy machine moves, where one
   run's wall time beside another's would be mostly the machine's.
 
-    python -m tome_core.bench.sdxl_figure                   # alone: the shipped seed-0 SDXL-layout proxy
+    python -m tome_core.bench.sdxl_figure                   # alone: the shipped prompted seed-0 SDXL-layout proxy
     python -m tome_core.bench.sdxl_figure --proxy FILE      # another SDXL-layout proxy
 
 The proxy's widths are not SDXL's, so its multiply-adds say what a method removes from this proxy's run;
@@ -79,17 +79,20 @@ def sdxl_table(label: str, pipe, steps: int = 20, sampler: str = "euler", images
 
 def sdxl_figure(steps: int = 20, sampler: str = "euler", images: int = 3, seed: int = 0,
                 cfg: float | None = DEFAULT_CFG, batched: bool = True, path: str | None = None) -> list[str]:
-    """``sdxl_table`` on the SDXL-layout proxy at ``path`` (default: the first shipped one, seed 0), on the CPU in
-    float32 as the proxies are measured; a one-line note instead where there is none to measure."""
+    """``sdxl_table`` on the SDXL-layout proxy at ``path`` (default: the shipped prompted seed 0, else the
+    photograph-trained seed 0), on the CPU in float32 as the proxies are measured; a one-line note instead where
+    there is none to measure."""
     if path is None:
         try:  # at call time, as ``loading`` does: a build may leave the proxy out
             from . import proxy
         except ImportError:
             proxy = None
-        shipped = [p for p in getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ()) if os.path.isfile(p)]
+        # The prompted proxy first: users sample SDXL with a prompt and guidance, and its deep level matters.
+        shipped = [p for p in getattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", ())[:1]
+                   + getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ()) if os.path.isfile(p)]
         if not shipped:
             return ["# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy "
-                    "train --layout sdxl --seed 0 makes one)"]
+                    "train --layout sdxl --data scenes --seed 0 makes one)"]
         path = shipped[0]
     try:
         label, pipe = load_proxies(torch.device("cpu"), torch.float32, [path])[0]

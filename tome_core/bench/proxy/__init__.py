@@ -52,6 +52,11 @@ SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(WEIGHTS_DIR, "proxy_weights_seed1.
                    os.path.join(WEIGHTS_DIR, "proxy_weights_seed2.safetensors"))
 # The SDXL-layout proxies (``--layout sdxl``), seeds 0, 1 and 2: the default run races them after the others.
 SHIPPED_SDXL_WEIGHTS = tuple(os.path.join(WEIGHTS_DIR, f"proxy_weights_sdxl_seed{k}.safetensors") for k in range(3))
+# The prompted SDXL-layout proxies (``--layout sdxl --data scenes``), seeds 0, 1 and 2: every attention level
+# matters to their pictures (docs/proxy.md#prompted-proxies). The main job's SDXL figure measures the first; the
+# race of ``--layouts sdxl`` stays on the photograph-trained ones until every figure is judged again on these.
+SHIPPED_PROMPTED_SDXL_WEIGHTS = tuple(os.path.join(WEIGHTS_DIR, f"proxy_weights_sdxl_prompted_seed{k}.safetensors")
+                                      for k in range(3))
 
 
 def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl")) -> tuple[list[str], list[str]]:
@@ -65,6 +70,9 @@ def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl")) -> tuple[list[s
 def train_command(path: str) -> str:
     """The command that makes the shipped proxy file ``path`` again (its seed is its place in
     ``SHIPPED_WEIGHTS`` or ``SHIPPED_SDXL_WEIGHTS``)."""
+    if path in SHIPPED_PROMPTED_SDXL_WEIGHTS:
+        return (f"python -m tome_core.bench.proxy train --layout sdxl --data scenes "
+                f"--seed {SHIPPED_PROMPTED_SDXL_WEIGHTS.index(path)} --out {path}")
     if path in SHIPPED_SDXL_WEIGHTS:
         return (f"python -m tome_core.bench.proxy train --layout sdxl --seed {SHIPPED_SDXL_WEIGHTS.index(path)} "
                 f"--out {path}")
@@ -328,7 +336,12 @@ def check_arch(path: str, metadata: dict[str, str]) -> tuple[int, ...] | None:
 
 def is_shipped(path: str) -> bool:
     """Whether ``path`` names one of the shipped proxies' weight files."""
-    return os.path.abspath(path) in {os.path.abspath(p) for p in SHIPPED_WEIGHTS + SHIPPED_SDXL_WEIGHTS}
+    return os.path.abspath(path) in {os.path.abspath(p) for p in all_shipped()}
+
+
+def all_shipped() -> tuple[str, ...]:
+    """Every shipped proxy's weight file, each layout's and the prompted ones."""
+    return SHIPPED_WEIGHTS + SHIPPED_SDXL_WEIGHTS + SHIPPED_PROMPTED_SDXL_WEIGHTS
 
 
 def describe(path: str | None) -> str:
