@@ -587,12 +587,12 @@ def test_every_attention_level_of_a_prompted_sdxl_proxy_matters_and_so_does_the_
     _, pipe = each_prompted_sdxl
     noise = noise_for(pipe, pipe.size, 3, 0)
     run = dict(steps=20, sampler="euler", noise_seed=7, options=None)
-    whole = final_pictures(pipe, noise, guidance=guidance_for(pipe, 3, 7.0), **run)
+    guidance = guidance_for(pipe, 3, 7.0)
+    whole = final_pictures(pipe, noise, guidance=guidance, **run)
     moved = {}
     for level in levels.attention_levels(pipe.unet):
         with levels.skipped(pipe.unet, {level}):
-            moved[level] = statistics.median(psnr_each(final_pictures(
-                pipe, noise, guidance=guidance_for(pipe, 3, 7.0), **run), whole))
+            moved[level] = statistics.median(psnr_each(final_pictures(pipe, noise, guidance=guidance, **run), whole))
     moved["another prompt"] = statistics.median(psnr_each(final_pictures(
         pipe, noise, guidance=guidance_for(pipe, 3, 7.0, shift=1), **run), whole))
     print(f"\nfinal PSNR dB, each level skipped / another prompt: {moved}")

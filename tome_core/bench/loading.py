@@ -170,10 +170,11 @@ def load_proxy_pipeline(device: torch.device, dtype: torch.dtype, path: str | No
 
 
 def _shipped(proxy, path: str) -> bool:
-    """Whether ``path`` is one of ``proxy``'s shipped weight files (a stand-in may name none)."""
-    shipped = (getattr(proxy, "SHIPPED_WEIGHTS", ()) + getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ())
-               + getattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", ()))
-    return os.path.abspath(path) in {os.path.abspath(p) for p in shipped}
+    """Whether ``path`` is one of ``proxy``'s shipped weight files: the proxy's own ``is_shipped``, or for a
+    stand-in the files it names (it may name none)."""
+    if hasattr(proxy, "is_shipped"):
+        return proxy.is_shipped(path)
+    return os.path.abspath(path) in {os.path.abspath(p) for p in getattr(proxy, "SHIPPED_WEIGHTS", ())}
 
 
 def layout_groups(pipes: list[tuple[str, Pipeline]]) -> dict[str, list[tuple[str, Pipeline]]]:

@@ -69,7 +69,7 @@ def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl")) -> tuple[list[s
 
 def train_command(path: str) -> str:
     """The command that makes the shipped proxy file ``path`` again (its seed is its place in
-    ``SHIPPED_WEIGHTS`` or ``SHIPPED_SDXL_WEIGHTS``)."""
+    ``SHIPPED_WEIGHTS``, ``SHIPPED_SDXL_WEIGHTS`` or ``SHIPPED_PROMPTED_SDXL_WEIGHTS``)."""
     if path in SHIPPED_PROMPTED_SDXL_WEIGHTS:
         return (f"python -m tome_core.bench.proxy train --layout sdxl --data scenes "
                 f"--seed {SHIPPED_PROMPTED_SDXL_WEIGHTS.index(path)} --out {path}")
