@@ -304,10 +304,10 @@ def test_an_image_does_not_depend_on_how_comfyui_split_cond_and_uncond(pack, mon
 def test_an_image_does_not_depend_on_the_other_images_of_its_batch(pack, method):
     model = tiny_model("sd15")
     merged_model = advanced(pack, model, method=method)
-    beside_one = ksample(merged_model, "sd15", samples=torch.zeros(2, 4, 32, 32), batch_index=[0, 1])
-    beside_another = ksample(merged_model, "sd15", samples=torch.zeros(2, 4, 32, 32), batch_index=[0, 5])
+    beside_one = ksample(merged_model, "sd15", batch=2, batch_index=[0, 1])
+    beside_another = ksample(merged_model, "sd15", batch=2, batch_index=[0, 5])
     assert not torch.allclose(beside_one[1], beside_another[1], atol=1e-1)  # the second images do differ
-    plain = ksample(model, "sd15", samples=torch.zeros(2, 4, 32, 32), batch_index=[0, 1])
+    plain = ksample(model, "sd15", batch=2, batch_index=[0, 1])
     assert not torch.allclose(beside_one[0], plain[0], atol=1e-1)  # and the method changes the first
     assert torch.allclose(beside_one[0], beside_another[0], atol=1e-5)
 
