@@ -497,15 +497,26 @@ def test_sdxl_layout_proxies_predict_the_noise_and_stack_merging_moves_them_with
     assert 0 < changes[0] < changes[1] < changes[2]
 
 
-# -- the prompted SDXL-layout proxies ----------------------------------------------------------------------------
+# -- the prompted proxies, of either layout --------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=[p for p in proxy.SHIPPED_PROMPTED_SDXL_WEIGHTS if os.path.isfile(p)],
-                ids=lambda path: os.path.basename(path))
-def each_prompted_sdxl(request) -> tuple[str, Pipeline]:
-    return request.param, proxy.load_proxy(path=request.param)
+# Each layout's shipped prompted proxies, what the tables call that layout's proxies, and the transformer depth of
+# each attention level: SD 1.5's four levels one transformer each, SDXL's two and ten.
+PROMPTED = {"sd15": proxy.SHIPPED_PROMPTED_WEIGHTS, "sdxl": proxy.SHIPPED_PROMPTED_SDXL_WEIGHTS}
+PROMPTED_LABEL = {"sd15": "proxy", "sdxl": "SDXL-layout proxy"}
+PROMPTED_DEPTHS = {"sd15": {0: {1}, 1: {1}, 2: {1}, 3: {1}}, "sdxl": {1: {2}, 2: {10}}}
+PROMPTED_SEEDS = {"sd15": list(proxy.SHIPPED_PROMPTED_SEEDS), "sdxl": [0, 1, 2]}
 
 
-def test_every_prompted_sdxl_proxy_ships_and_its_train_command_gives_its_own_recipe(monkeypatch):
+@pytest.fixture(scope="module", params=[(layout, path) for layout, paths in PROMPTED.items() for path in paths
+                                        if os.path.isfile(path)],
+                ids=lambda param: os.path.basename(param[1]))
+def each_prompted(request) -> tuple[str, str, Pipeline]:
+    layout, path = request.param
+    return layout, path, proxy.load_proxy(path=path)
+
+
+@pytest.mark.parametrize("layout", sorted(PROMPTED))
+def test_every_prompted_proxy_ships_and_its_train_command_gives_its_own_recipe(layout, monkeypatch):
     """The file's training metadata is what the CLI makes of ``train_command``'s arguments: the command trains
     that proxy again (the same seed, stages, widths, curriculum and words), and the three seeds differ."""
     import shlex
@@ -520,7 +531,8 @@ def test_every_prompted_sdxl_proxy_ships_and_its_train_command_gives_its_own_rec
 
     monkeypatch.setattr(cli, "train", capture)
     seeds = []
-    for path in proxy.SHIPPED_PROMPTED_SDXL_WEIGHTS:
+    assert len(PROMPTED[layout]) == 3
+    for path in PROMPTED[layout]:
         assert os.path.isfile(path), proxy.train_command(path)
         command = shlex.split(proxy.train_command(path))
         assert command[:3] == ["python", "-m", "tome_core.bench.proxy"]
@@ -529,37 +541,39 @@ def test_every_prompted_sdxl_proxy_ships_and_its_train_command_gives_its_own_rec
         config = configured.value.args[0]
         metadata = proxy.read_metadata(path)
         assert {k: metadata.get(k) for k in training.training_metadata(config)} == training.training_metadata(config)
-        assert config.data == "scenes" and config.stages == proxy.PROMPTED_STAGES["sdxl"]
-        assert config.deep_first == proxy.PROMPTED_CURRICULUM["sdxl"][0]
-        assert json.loads(metadata["arch"])["channel_mult"] == list(proxy.PROMPTED_WIDTHS["sdxl"])
+        assert config.layout == layout and config.data == "scenes"
+        assert config.stages == proxy.PROMPTED_STAGES[layout]
+        assert (config.deep_first, config.first_levels) == proxy.PROMPTED_CURRICULUM[layout]
+        widths = proxy.PROMPTED_WIDTHS[layout] or proxy.LAYOUTS[layout].arch["channel_mult"]
+        assert json.loads(metadata["arch"])["channel_mult"] == list(widths)
         assert proxy.is_shipped(path) and proxy.describe(path) == f"seed {config.seed}"
         seeds.append(config.seed)
-    assert seeds == [0, 1, 2]
+    assert seeds == PROMPTED_SEEDS[layout]
 
 
-def test_prompted_sdxl_proxies_load_with_sdxls_levels_and_the_benchmarks_prompts(each_prompted_sdxl):
-    path, pipe = each_prompted_sdxl
-    assert os.path.getsize(path) <= 18e6 and pipe.size == proxy.SDXL_EVAL_SIZE == 128
-    assert pipe.label == "SDXL-layout proxy" and pipe.prompts == proxy.BENCHMARK_PROMPTS
+def test_prompted_proxies_load_with_their_layouts_levels_and_the_benchmarks_prompts(each_prompted):
+    layout, path, pipe = each_prompted
+    assert os.path.getsize(path) <= 18e6 and pipe.size == proxy.LAYOUTS[layout].eval_size
+    assert pipe.label == PROMPTED_LABEL[layout] and pipe.prompts == proxy.BENCHMARK_PROMPTS
     depths = {}
     for _, t, level in tome_core.patch.transformer_levels(pipe.unet):
         depths.setdefault(level, set()).add(len(t.transformer_blocks))
         assert t.proj_out.weight.abs().max() > 0.01  # trained away from the zero it starts at
-    assert depths == {1: {2}, 2: {10}}
+    assert depths == PROMPTED_DEPTHS[layout]
     # The empty prompt is guidance's unconditional half, and each word moves the context.
     assert torch.equal(pipe.context, pipe.encode_prompt(""))
     assert not torch.equal(pipe.encode_prompt(proxy.BENCHMARK_PROMPTS[0]), pipe.encode_prompt(""))
 
 
-def test_prompted_sdxl_proxies_predict_the_noise_better_when_told_the_scene(each_prompted_sdxl):
+def test_prompted_proxies_predict_the_noise_better_when_told_the_scene(each_prompted):
     """On scenes drawn from a seed training never used, the noise prediction is far better than none, and
     better with the scene's own prompt than with the empty one, most of all where the noise hides the layout."""
     from tome_core.bench.proxy import scenes
 
-    _, pipe = each_prompted_sdxl
+    _, _, pipe = each_prompted
     gen = torch.Generator().manual_seed(20261206)
     pyramids = [training.pyramid(image) for image in training.load_photographs(training.TRAIN_IMAGES)]
-    x0, said = scenes.scene_batch(pyramids, training.TRAIN_IMAGES, 4, 128, gen, training.random_crops)
+    x0, said = scenes.scene_batch(pyramids, training.TRAIN_IMAGES, 4, pipe.size, gen, training.random_crops)
     told = torch.cat([pipe.encode_prompt(scene.text) for scene in said])
     noise = torch.randn(x0.shape, generator=gen)
     errors = {}
@@ -574,7 +588,7 @@ def test_prompted_sdxl_proxies_predict_the_noise_better_when_told_the_scene(each
     assert all(with_prompt < without for with_prompt, without in errors.values())
 
 
-def test_every_attention_level_of_a_prompted_sdxl_proxy_matters_and_so_does_the_prompt(each_prompted_sdxl):
+def test_every_attention_level_of_a_prompted_proxy_matters_and_so_does_the_prompt(each_prompted):
     """The yardstick's bar, as ``python -m tome_core.bench.levels`` measures it (Euler, 20 steps, 3 images,
     guidance 7 batched): each attention level skipped alone moves the final pictures to 20 dB or less from the
     whole model's, and so does asking for other prompts from the same noise."""
@@ -584,7 +598,7 @@ def test_every_attention_level_of_a_prompted_sdxl_proxy_matters_and_so_does_the_
     from tome_core.bench.samplers import final_pictures
     from tome_core.bench.sampling import guidance_for
 
-    _, pipe = each_prompted_sdxl
+    layout, _, pipe = each_prompted
     noise = noise_for(pipe, pipe.size, 3, 0)
     run = dict(steps=20, sampler="euler", noise_seed=7, options=None)
     guidance = guidance_for(pipe, 3, 7.0)
@@ -596,5 +610,5 @@ def test_every_attention_level_of_a_prompted_sdxl_proxy_matters_and_so_does_the_
     moved["another prompt"] = statistics.median(psnr_each(final_pictures(
         pipe, noise, guidance=guidance_for(pipe, 3, 7.0, shift=1), **run), whole))
     print(f"\nfinal PSNR dB, each level skipped / another prompt: {moved}")
-    assert sorted(k for k in moved if k != "another prompt") == [1, 2]
+    assert sorted(k for k in moved if k != "another prompt") == sorted(PROMPTED_DEPTHS[layout])
     assert all(db <= levels.MATTERS_DB for db in moved.values()), moved
