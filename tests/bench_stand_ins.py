@@ -48,8 +48,8 @@ def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline, shipped: tuple[st
     module.EVAL_SIZE = 16
     if shipped:
         module.SHIPPED_WEIGHTS = tuple(shipped)
-        module.shipped_weights = lambda layouts=("sd15", "sdxl"): ([p for p in shipped if p not in missing],
-                                                                   list(missing))
+        module.shipped_weights = lambda layouts=("sd15", "sdxl"), prompted=True: (
+            [p for p in shipped if p not in missing], list(missing))
         module.train_command = lambda path: f"python -m tome_core.bench.proxy train --seed {shipped.index(path)}"
         module.describe = lambda path: f"seed {shipped.index(path)}" if path in shipped else path
     monkeypatch.setitem(sys.modules, "tome_core.bench.proxy", module)

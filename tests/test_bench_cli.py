@@ -229,16 +229,19 @@ def test_the_busy_hint_suggests_one_thread_only_to_a_run_that_used_more(threads,
 
 
 def test_the_default_race_takes_the_sd15_layout_proxies_and_layouts_adds_the_sdxl_ones():
-    """The default run stays a job a newcomer waits for: the three SD 1.5-layout proxies; --layouts sd15 sdxl
-    races the SDXL-layout ones too, a layout at a time."""
+    """The default run stays a job a newcomer waits for: the three prompted SD 1.5-layout proxies, sampled with
+    guidance as users sample; --layouts sd15 sdxl races the SDXL-layout ones too, a layout at a time; --unprompted
+    the photograph-trained ones."""
     from tome_core.bench.loading import trained_groups
 
     def groups(argv):
         args = arguments.parse_args(argv)
         arguments.check_args(args)
-        return [[(label, "SDXL" in pipe.name) for label, pipe in group]
+        return [[(label, "SDXL" in pipe.name, bool(pipe.prompts)) for label, pipe in group]
                 for group in trained_groups(args, torch.device("cpu"), torch.float32)]
 
-    assert groups([]) == [[("seed 0", False), ("seed 1", False), ("seed 2", False)]]
+    assert groups([]) == [[("seed 1", False, True), ("seed 2", False, True), ("seed 3", False, True)]]
     both = groups(["--layouts", "sd15", "sdxl"])
-    assert [[sdxl for _, sdxl in group] for group in both] == [[False] * 3, [True] * 3]
+    assert [[(sdxl, prompted) for _, sdxl, prompted in group] for group in both] == [[(False, True)] * 3,
+                                                                                     [(True, True)] * 3]
+    assert groups(["--unprompted"]) == [[("seed 0", False, False), ("seed 1", False, False), ("seed 2", False, False)]]

@@ -255,7 +255,7 @@ def test_the_main_job_ends_with_the_sdxl_figure_or_says_why_it_has_none(monkeypa
 
     # In the main job itself: the SD part's tables, then the figure's line.
     monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: {"none": 10.0}.get(name, 8.0)))
-    monkeypatch.setattr(proxy, "SHIPPED_WEIGHTS", (sd15,))
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_WEIGHTS", (sd15,))
     assert cli.main(["--steps", "1", "--repeats", "1", "--quiet", "--sheet", "", "--device", "cpu", "--images", "1",
                      "--ratios", "0.5", "--todo-factors", "2", "--no-tomesd", "--no-ideal", "--methods", "ToDo",
                      "--skip", "block", "overhead", "memory"]) == 0

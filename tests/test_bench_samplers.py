@@ -64,7 +64,7 @@ def test_drift_share_sets_caches_share_for_its_run_only_and_changes_its_pictures
 
 
 def test_ancestral_noise_repeats_and_no_patch_gives_the_unmerged_picture():
-    _, pipe = load_proxies(torch.device("cpu"), torch.float32)[0]
+    _, pipe = load_proxies(torch.device("cpu"), torch.float32, prompted=False)[0]
     noise = noise_for(pipe, pipe.size, 1, 0)
     a = samplers.final_pictures(pipe, noise, 3, "euler_a", 7, None)
     assert torch.equal(a, samplers.final_pictures(pipe, noise, 3, "euler_a", 7, None))

@@ -36,7 +36,7 @@ def pipe() -> Pipeline:
     return proxy.load_proxy()
 
 
-@pytest.fixture(scope="module", params=proxy.shipped_weights(("sd15",))[0], ids=lambda path: os.path.basename(path))
+@pytest.fixture(scope="module", params=proxy.shipped_weights(("sd15",), prompted=False)[0], ids=lambda path: os.path.basename(path))
 def each_shipped(request) -> tuple[str, Pipeline]:
     """Every shipped proxy, each trained from its own seed: the default run's fidelity rests on all of them."""
     return request.param, proxy.load_proxy(path=request.param)
@@ -405,10 +405,11 @@ def test_training_is_deterministic_and_runs_end_to_end(tmp_path):
     assert sample.shape == noise.shape and torch.isfinite(sample).all()
 
 
+@pytest.mark.parametrize("prompted", [False, True], ids=["photographs", "prompted"])
 @pytest.mark.parametrize("layout", sorted(proxy.LAYOUTS))
-def test_the_shipped_proxies_are_trained_from_distinct_seeds_with_the_same_recipe(layout):
+def test_the_shipped_proxies_are_trained_from_distinct_seeds_with_the_same_recipe(layout, prompted):
     seeds, stages = [], set()
-    here, _ = proxy.shipped_weights((layout,))
+    here, _ = proxy.shipped_weights((layout,), prompted=prompted)
     for path in here:
         meta = proxy.read_metadata(path)
         seeds.append(int(meta["seed"]))
@@ -416,8 +417,8 @@ def test_the_shipped_proxies_are_trained_from_distinct_seeds_with_the_same_recip
         assert proxy.layout_of(meta).name == layout
         assert proxy.describe(path) == f"seed {meta['seed']}"
     assert len(set(seeds)) == len(seeds) >= 3
-    # The layout's default recipe, as --seed N (--layout sdxl) makes it.
-    assert stages == {json.dumps(proxy.LAYOUTS[layout].stages)}
+    # The layout's default recipe, as --seed N (--layout sdxl) (--data scenes) makes it.
+    assert stages == {json.dumps(proxy.PROMPTED_STAGES[layout] if prompted else proxy.LAYOUTS[layout].stages)}
 
 
 def test_shipped_weights_lists_what_is_here_and_how_to_make_what_is_not(tmp_path, monkeypatch):
@@ -425,8 +426,12 @@ def test_shipped_weights_lists_what_is_here_and_how_to_make_what_is_not(tmp_path
     open(here, "wb").close()
     monkeypatch.setattr(proxy, "SHIPPED_WEIGHTS", (here, gone))
     monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (gone + "-sdxl",))
-    assert proxy.shipped_weights() == ([here], [gone, gone + "-sdxl"])
-    assert proxy.shipped_weights(("sd15",)) == ([here], [gone])
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_WEIGHTS", (gone + "-prompted", here))
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", ())
+    assert proxy.shipped_weights(prompted=False) == ([here], [gone, gone + "-sdxl"])
+    assert proxy.shipped_weights(("sd15",), prompted=False) == ([here], [gone])
+    assert proxy.shipped_weights() == ([here], [gone + "-prompted"])  # the prompted ones unless asked otherwise
+    assert proxy.shipped_weights(("sdxl",)) == ([], [])
     assert proxy.train_command(gone + "-sdxl") == (f"python -m tome_core.bench.proxy train --layout sdxl --seed 0 "
                                                     f"--out {gone}-sdxl")
     assert proxy.train_command(gone) == f"python -m tome_core.bench.proxy train --seed 1 --out {gone}"
@@ -449,7 +454,7 @@ def test_a_library_install_without_the_weights_folder_says_where_the_weights_are
 
 # -- the SDXL-layout proxies -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=proxy.shipped_weights(("sdxl",))[0], ids=lambda path: os.path.basename(path))
+@pytest.fixture(scope="module", params=proxy.shipped_weights(("sdxl",), prompted=False)[0], ids=lambda path: os.path.basename(path))
 def each_sdxl(request) -> tuple[str, Pipeline]:
     return request.param, proxy.load_proxy(path=request.param)
 

@@ -58,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--proxy", nargs="+", default=None, metavar="WEIGHTS",
                     help="proxy models' weights made by 'python -m tome_core.bench.proxy train' (other seeds or "
                          "stages), measured instead of the three shipped ones")
+    ap.add_argument("--unprompted", action="store_true",
+                    help="race the shipped photograph-trained proxies instead of the prompted ones: no prompt, no "
+                         "guidance, and deeper levels they barely use (docs/proxy.md)")
     ap.add_argument("--layouts", nargs="+", default=["sd15"], choices=["sd15", "sdxl"],
-                    help="the shipped proxies to race, by layout (default sd15: the three SD 1.5-layout ones; "
+                    help="the shipped prompted proxies to race, by layout (default sd15: the three SD 1.5-layout ones; "
                          "'sd15 sdxl' adds the three SDXL-layout ones, each layout raced apart, which more than "
                          "triples the run's time)")
     ap.add_argument("--sdxl-figure", action=argparse.BooleanOptionalAction, default=True,

@@ -122,13 +122,15 @@ def load_trained(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         else:
             pipe = checkpoint.load_pipeline(args.checkpoint, device, dtype, prediction=args.prediction)
         return [(pipe.label, pipe)]
-    return load_proxies(device, dtype, args.proxy, tuple(getattr(args, "layouts", None) or ("sd15", "sdxl")))
+    return load_proxies(device, dtype, args.proxy, tuple(getattr(args, "layouts", None) or ("sd15", "sdxl")),
+                        prompted=not getattr(args, "unprompted", False))
 
 
 def load_proxies(device: torch.device, dtype: torch.dtype, paths: list[str] | None = None,
-                 layouts: tuple[str, ...] = ("sd15", "sdxl")) -> list[tuple[str, Pipeline]] | None:
-    """Each proxy of ``paths`` (default: every shipped one of ``layouts``) with its label ("seed 1"); None when
-    this build has no proxy; ``UsageError`` (one line) for weights that are missing or do not fit."""
+                 layouts: tuple[str, ...] = ("sd15", "sdxl"), prompted: bool = True) -> list[tuple[str, Pipeline]] | None:
+    """Each proxy of ``paths`` (default: every shipped one of ``layouts``, the prompted ones unless ``prompted``
+    is False) with its label ("seed 1"); None when this build has no proxy; ``UsageError`` (one line) for weights
+    that are missing or do not fit."""
     try:  # at call time: a build may leave the proxy out, and tests put a stand-in in its place
         from . import proxy
     except ImportError:
@@ -136,7 +138,7 @@ def load_proxies(device: torch.device, dtype: torch.dtype, paths: list[str] | No
     missing: list[str] = []
     if paths is None:
         finder = getattr(proxy, "shipped_weights", None)
-        paths, missing = finder(layouts) if finder is not None else ([None], [])
+        paths, missing = finder(layouts, prompted=prompted) if finder is not None else ([None], [])
         paths = paths or [None]  # none here: the first one's own refusal says how to make it
     describe = getattr(proxy, "describe", None)
     out = []

@@ -125,8 +125,11 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
                          "one batch, as the webui runs them)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--proxy", nargs="+", metavar="WEIGHTS", default=None,
-                    help="proxy weights files (default: every shipped proxy of the layout), e.g. one trained "
-                         "from another seed with python -m tome_core.bench.proxy train")
+                    help="proxy weights files (default: every shipped prompted proxy of the layout), e.g. one "
+                         "trained from another seed with python -m tome_core.bench.proxy train")
+    ap.add_argument("--unprompted", action="store_true",
+                    help="the shipped photograph-trained proxies instead: no prompt, no guidance, and deeper "
+                         "levels they barely use (docs/proxy.md)")
 
 
 def with_threads(threads: int, run) -> int:
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 def proxies_of_the_run(args: argparse.Namespace, argv: list[str] | None, room: str) -> list:
     """The (label, pipeline) of every proxy the run measures (``add_run_arguments``' --proxy and --layout), after
     printing the command line that made the run (``room``: its module)."""
-    pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,)) or []
+    pipes = load_proxies(torch.device("cpu"), torch.float32, args.proxy, layouts=(args.layout,),
+                         prompted=not args.unprompted) or []
     print(f"# {' '.join([f'python -m {room}'] + (argv if argv is not None else sys.argv[1:]))}")
     return pipes
 

@@ -53,8 +53,9 @@ SHIPPED_WEIGHTS = (WEIGHTS_FILE, os.path.join(WEIGHTS_DIR, "proxy_weights_seed1.
 # The SDXL-layout proxies (``--layout sdxl``), seeds 0, 1 and 2: the default run races them after the others.
 SHIPPED_SDXL_WEIGHTS = tuple(os.path.join(WEIGHTS_DIR, f"proxy_weights_sdxl_seed{k}.safetensors") for k in range(3))
 # The prompted proxies (``--data scenes``), SD 1.5's layout and SDXL's (``--layout sdxl``), three each: every
-# attention level matters to their pictures (docs/proxy.md#prompted-proxies). The main job's SDXL figure measures
-# the first SDXL one; the race stays on the photograph-trained ones until every figure is judged again on these.
+# attention level matters to their pictures (docs/proxy.md#prompted-proxies), and they are sampled with a prompt
+# and guidance as users sample, so the benchmark races them by default; the main job's SDXL figure measures the
+# first SDXL one. The photograph-trained ones above stay for ``--unprompted`` and the tests.
 # SDXL's are seeds 0, 1 and 2; SD 1.5's seeds 1, 2 and 3, since its recipe's seed 0 trained a proxy whose
 # 256-token level, skipped, moved the pictures to 20.5 dB, just outside the bar (docs/proxy.md, "The shipped
 # prompted SD 1.5-layout proxies").
@@ -65,10 +66,12 @@ SHIPPED_PROMPTED_SDXL_WEIGHTS = tuple(os.path.join(WEIGHTS_DIR, f"proxy_weights_
                                       for k in range(3))
 
 
-def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl")) -> tuple[list[str], list[str]]:
+def shipped_weights(layouts: tuple[str, ...] = ("sd15", "sdxl"), prompted: bool = True) -> tuple[list[str], list[str]]:
     """The shipped proxies' weight files of ``layouts`` that are here, and those that are not (each missing one
-    is made by ``train_command``)."""
-    files = (SHIPPED_WEIGHTS if "sd15" in layouts else ()) + (SHIPPED_SDXL_WEIGHTS if "sdxl" in layouts else ())
+    is made by ``train_command``): the prompted ones, or with ``prompted=False`` the photograph-trained ones."""
+    sd15, sdxl = ((SHIPPED_PROMPTED_WEIGHTS, SHIPPED_PROMPTED_SDXL_WEIGHTS) if prompted
+                  else (SHIPPED_WEIGHTS, SHIPPED_SDXL_WEIGHTS))
+    files = (sd15 if "sd15" in layouts else ()) + (sdxl if "sdxl" in layouts else ())
     here = [p for p in files if os.path.isfile(p)]
     return here, [p for p in files if p not in here]
 
