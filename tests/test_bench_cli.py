@@ -228,6 +228,19 @@ def test_the_busy_hint_suggests_one_thread_only_to_a_run_that_used_more(threads,
     assert ("--threads 1" in hint) is suggested
 
 
+def test_tomesd_is_raced_on_a_trained_model_only_when_asked_for():
+    """The oracle's pictures are the paper's ToMe's, so the main job leaves it out (a fifth of its time); a speed
+    run of the architectures, where it costs little, keeps it."""
+    def left_out(argv):
+        args = arguments.parse_args(argv)
+        arguments.check_args(args)
+        return args.no_tomesd
+
+    assert left_out([]) and left_out(["--unprompted"])
+    assert not left_out(["--tomesd"]) and not left_out(["--models", "sd15"])
+    assert left_out(["--models", "sd15", "--no-tomesd"])
+
+
 def test_the_default_race_takes_the_sd15_layout_proxies_and_layouts_adds_the_sdxl_ones():
     """The default run stays a job a newcomer waits for: the three prompted SD 1.5-layout proxies, sampled with
     guidance as users sample; --layouts sd15 sdxl races the SDXL-layout ones too, a layout at a time; --unprompted

@@ -178,7 +178,7 @@ def test_the_default_run_reports_every_method_with_speed_and_fidelity(monkeypatc
     calls = install_proxy(monkeypatch)
     sheet, plot = tmp_path / "sheet.png", tmp_path / "chart.png"
     assert cli.main(["--sizes", str(SIZE), "--steps", "2", "--repeats", "1", "--quiet", "--sheet", str(sheet),
-                     "--plot", str(plot), "--device", "cpu"]) == 0
+                     "--plot", str(plot), "--device", "cpu", "--tomesd"]) == 0
     assert calls == [(torch.device("cpu"), torch.float32)]
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith(f"| stand-in proxy | {SIZE} |")]
