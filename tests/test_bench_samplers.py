@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("webui_unet_for_this_test_only")
 def test_one_line_per_proxy_and_sampler_with_each_contenders_psnr(capsys):
     threads = torch.get_num_threads()
     assert samplers.main(["--layout", "sd15", "--samplers", "euler", "euler_a", "--contenders", "todo", "cache2",
-                          "--steps", "5", "--images", "1"]) == 0
+                          "--steps", "5", "--images", "1", "--unprompted"]) == 0
     assert torch.get_num_threads() == threads  # its --threads is for its own run, not the caller's
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| seed")]
     assert len(rows) == 3 * 2
@@ -112,7 +112,7 @@ def test_the_summed_figure_adds_the_moves_errors_before_squaring_them():
 
 def test_step_figures_are_printed_beside_the_final_pictures(capsys):
     assert samplers.main(["--layout", "sd15", "--samplers", "euler", "--contenders", "todo", "cache", "--steps", "4",
-                          "--images", "1", "--step-figures"]) == 0
+                          "--images", "1", "--step-figures", "--unprompted"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| seed")]
     assert len(rows) == 3 * 4
