@@ -77,7 +77,7 @@ def test_the_benchmark_races_ours_and_tomesd_on_the_folder(folder, capsys, monke
     # Timing is not under test: every call "takes" a fixed time.
     monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: {"none": 10.0}.get(name, 8.0)))
     assert cli.main(["--checkpoint", str(folder), "--sizes", "32", "--ratios", "0.5", "--todo-factors", "2",
-                     "--steps", "2", "--repeats", "1", "--quiet", "--no-rand", "--device", "cpu"]) == 0
+                     "--steps", "2", "--repeats", "1", "--quiet", "--no-rand", "--device", "cpu", "--tomesd"]) == 0
     out = capsys.readouterr().out
     rows = {}
     for line in out.splitlines():
