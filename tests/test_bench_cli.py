@@ -239,6 +239,10 @@ def test_tomesd_is_raced_on_a_trained_model_only_when_asked_for():
     assert left_out([]) and left_out(["--unprompted"])
     assert not left_out(["--tomesd"]) and not left_out(["--models", "sd15"])
     assert left_out(["--models", "sd15", "--no-tomesd"])
+    # The two flags name one choice: given together they are refused, not settled silently.
+    args = arguments.parse_args(["--tomesd", "--no-tomesd"])
+    with pytest.raises(arguments.UsageError, match="--tomesd and --no-tomesd"):
+        arguments.check_args(args)
 
 
 def test_the_default_race_takes_the_sd15_layout_proxies_and_layouts_adds_the_sdxl_ones():

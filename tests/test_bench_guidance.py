@@ -252,6 +252,16 @@ def test_the_main_job_ends_with_the_sdxl_figure_or_says_why_it_has_none(monkeypa
     monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (sd15,))
     assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
         f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout"]
+    # A run of the photograph-trained proxies ends on a photograph-trained SDXL-layout one, never a prompted one.
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (str(tmp_path / "gone.safetensors"),))
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (sd15,))
+    assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
+        f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout"]
+    assert sdxl_figure.sdxl_figure(steps=1, images=1, prompted=False) == [
+        "# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy train --layout "
+        "sdxl --data photographs --seed 0 makes one)"]
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (str(tmp_path / "gone-too.safetensors"),))
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (sd15,))
 
     # In the main job itself: the SD part's tables, then the figure's line.
     monkeypatch.setattr(jobs, "model_timer", lambda *a: (lambda name: {"none": 10.0}.get(name, 8.0)))
@@ -262,3 +272,14 @@ def test_the_main_job_ends_with_the_sdxl_figure_or_says_why_it_has_none(monkeypa
     out = capsys.readouterr().out
     assert out.rstrip().endswith(f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout")
     assert out.index("| ToDo |") < out.index("no SDXL-layout figure")
+
+    # An --unprompted main job ends on the photograph-trained kind too: here none is left, and it says which to train.
+    monkeypatch.setattr(proxy, "SHIPPED_WEIGHTS", proxy.SHIPPED_WEIGHTS[:1])
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (sd15,))
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (str(tmp_path / "gone.safetensors"),))
+    assert cli.main(["--unprompted", "--steps", "1", "--repeats", "1", "--quiet", "--sheet", "", "--device", "cpu",
+                     "--images", "1", "--ratios", "0.5", "--todo-factors", "2", "--no-ideal", "--methods", "ToDo",
+                     "--skip", "block", "overhead", "memory"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("no SDXL-layout proxy here (python -m tome_core.bench.proxy train --layout sdxl "
+                                 "--data photographs --seed 0 makes one)")

@@ -191,6 +191,9 @@ def check_args(args: argparse.Namespace) -> None:
     for interval in args.cache_intervals or ():
         if not 1 <= interval <= MAX_CACHE_INTERVAL:
             raise UsageError(f"--cache-intervals {interval}: each must be 1 to {MAX_CACHE_INTERVAL}")
+    if args.tomesd and args.no_tomesd:
+        raise UsageError("--tomesd and --no-tomesd: give one (--tomesd races the tomesd package, --no-tomesd "
+                         "leaves it out)")
     if trained and not args.tomesd:
         args.no_tomesd = True
     if args.images is None:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         status = run_groups(args, groups, device, dtype, command, cap)
         if wants_sdxl_figure(args):
             print("\n" + "\n".join(sdxl_figure(args.steps, args.sampler, args.images, args.seed, args.cfg,
-                                               not args.apart)))
+                                               not args.apart, prompted=not args.unprompted)))
         return status
     return run_architectures(args, device, dtype, command, cap)
 

@@ -2,7 +2,8 @@
 
 ``python -m tome_core.bench`` measures the SD 1.5-layout proxies; racing every method on the SDXL-layout ones
 takes over an hour (``--layouts sd15 sdxl``). This room is the short part it ends with: on one SDXL-layout proxy
-(the shipped prompted seed 0, else the photograph-trained seed 0) at its evaluation size, with guidance as users
+(the shipped prompted seed 0; the photograph-trained seed 0 in a run of the photograph-trained proxies, or
+where the prompted one is missing) at its evaluation size, with guidance as users
 sample where the proxy has prompts, the settings the README gives SDXL (Cache at its defaults; ToDo factor 2 at
 Merge levels 4 where Cache cannot run), each sampled once and set beside the unmerged run:
 
@@ -14,6 +15,7 @@ Merge levels 4 where Cache cannot run), each sampled once and set beside the unm
   run's wall time beside another's would be mostly the machine's.
 
     python -m tome_core.bench.sdxl_figure                   # alone: the shipped prompted seed-0 SDXL-layout proxy
+    python -m tome_core.bench.sdxl_figure --unprompted      # the photograph-trained seed-0 one, no guidance
     python -m tome_core.bench.sdxl_figure --proxy FILE      # another SDXL-layout proxy
 
 The proxy's widths are not SDXL's, so its multiply-adds say what a method removes from this proxy's run;
@@ -78,21 +80,25 @@ def sdxl_table(label: str, pipe, steps: int = 20, sampler: str = "euler", images
 
 
 def sdxl_figure(steps: int = 20, sampler: str = "euler", images: int = 3, seed: int = 0,
-                cfg: float | None = DEFAULT_CFG, batched: bool = True, path: str | None = None) -> list[str]:
+                cfg: float | None = DEFAULT_CFG, batched: bool = True, path: str | None = None,
+                prompted: bool = True) -> list[str]:
     """``sdxl_table`` on the SDXL-layout proxy at ``path`` (default: the shipped prompted seed 0, else the
-    photograph-trained seed 0), on the CPU in float32 as the proxies are measured; a one-line note instead where
-    there is none to measure."""
+    photograph-trained seed 0; with ``prompted`` false, the photograph-trained seed 0 only, so that a run of the
+    photograph-trained proxies ends on one of their kind), on the CPU in float32 as the proxies are measured; a
+    one-line note instead where there is none to measure."""
     if path is None:
         try:  # at call time, as ``loading`` does: a build may leave the proxy out
             from . import proxy
         except ImportError:
             proxy = None
         # The prompted proxy first: users sample SDXL with a prompt and guidance, and its deep level matters.
-        shipped = [p for p in getattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", ())[:1]
-                   + getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ()) if os.path.isfile(p)]
+        wanted = (list(getattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", ())[:1]) if prompted else []) \
+            + list(getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ()))
+        shipped = [p for p in wanted if os.path.isfile(p)]
         if not shipped:
+            data = "scenes" if prompted else "photographs"
             return ["# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy "
-                    "train --layout sdxl --data scenes --seed 0 makes one)"]
+                    f"train --layout sdxl --data {data} --seed 0 makes one)"]
         path = shipped[0]
     try:
         label, pipe = load_proxies(torch.device("cpu"), torch.float32, [path])[0]
@@ -115,13 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--apart", action="store_true", help="cond and uncond in two calls a step")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--proxy", metavar="WEIGHTS", default=None, help="an SDXL-layout proxy's weights")
+    ap.add_argument("--unprompted", action="store_true",
+                    help="the shipped photograph-trained seed-0 SDXL-layout proxy (no prompt, no guidance) instead "
+                         "of the prompted one")
     args = ap.parse_args(argv)
     if args.proxy is not None and not os.path.isfile(args.proxy):
         ap.error(f"--proxy {args.proxy}: no such file")
     print(f"# {' '.join(['python -m tome_core.bench.sdxl_figure'] + (argv if argv is not None else sys.argv[1:]))}")
     lines = with_threads(args.threads, lambda: sdxl_figure(args.steps, args.sampler, args.images, args.seed,
                                                             args.cfg, not args.apart,
-                                                            args.proxy))
+                                                            args.proxy, not args.unprompted))
     print("\n".join(lines))
     return 0
 
