@@ -74,6 +74,22 @@ def test_ancestral_noise_repeats_and_no_patch_gives_the_unmerged_picture():
     assert not torch.equal(todo, a)
 
 
+def test_the_extensions_tome_is_raced_beside_the_papers(capsys):
+    """tome50-sw is ToMe as the extension runs it (size-weighted keys, its Auto for ToMe), tome50 the paper's: at
+    one ratio they share a merge plan and differ only in the keys' weights, so their pictures differ."""
+    from tome_core.bench import proxy
+
+    assert samplers.CONTENDERS["tome50-sw"][1] == dict(method="tome", ratio=0.5, size_weighted_keys=True)
+    _, pipe = load_proxies(torch.device("cpu"), torch.float32, prompted=False)[0]
+    noise = noise_for(pipe, pipe.size, 1, 0)
+    papers = samplers.final_pictures(pipe, noise, 3, "euler", 7, samplers.CONTENDERS["tome50"][1])
+    ours = samplers.final_pictures(pipe, noise, 3, "euler", 7, samplers.CONTENDERS["tome50-sw"][1])
+    assert not torch.equal(papers, ours)
+    assert samplers.main(["--layout", "sd15", "--proxy", proxy.SHIPPED_WEIGHTS[0], "--samplers", "euler",
+                          "--contenders", "tome50-sw", "--steps", "2", "--images", "1"]) == 0
+    assert "| ToMe 0.5 size-weighted |" in capsys.readouterr().out
+
+
 def test_the_weighted_one_step_figure_weighs_each_step_by_its_move_of_the_sample():
     """Two steps at σ 3 then 1 (then 0): Euler moves the sample by 2ε and then by 1ε, so the weights are 4 and 1.
     An error of 0.5 on every number of the second step's ε (of ones): every step alike, (0 + 0.25) / 2; weighted,

@@ -37,6 +37,9 @@ CONTENDERS = {
     **{f"cache{n}": (f"Cache longest gap {n}", dict(method="cache", cache_interval=n)) for n in range(2, 11)},
     # The main benchmark's settings at their "auto" levels, to rank them as each figure does.
     **{f"tome{int(r * 100)}": (f"ToMe {r}", dict(method="tome", ratio=r)) for r in (0.25, 0.5, 0.75)},
+    # The extension's ToMe: its "Size-weighted keys: Auto" turns them on for ToMe; the engine's default is the paper's.
+    **{f"tome{int(r * 100)}-sw": (f"ToMe {r} size-weighted", dict(method="tome", ratio=r, size_weighted_keys=True))
+       for r in (0.25, 0.5, 0.75)},
     **{f"local{int(r * 100)}": (f"Local {r}", dict(method="local", ratio=r)) for r in (0.25, 0.5, 0.75)},
     **{f"todo-f{f}": (f"ToDo f={f}", dict(method="todo", todo_factor=f)) for f in (2, 3, 4)},
 }
