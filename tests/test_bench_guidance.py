@@ -244,23 +244,24 @@ def test_the_main_job_ends_with_the_sdxl_figure_or_says_why_it_has_none(monkeypa
         assert not cli.wants_sdxl_figure(parse_args(argv)), argv
 
     sd15 = proxy.SHIPPED_WEIGHTS[0]
-    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (str(tmp_path / "gone.safetensors"),))
-    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (str(tmp_path / "gone-too.safetensors"),))
+    gone, gone_too = str(tmp_path / "gone.safetensors"), str(tmp_path / "gone-too.safetensors")
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (gone,))
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (gone_too,))
     assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
         "# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy train --layout "
-        "sdxl --data scenes --seed 0 makes one)"]
+        f"sdxl --data scenes --seed 0 --out {gone_too} makes one)"]
     monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (sd15,))
     assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
         f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout"]
     # A run of the photograph-trained proxies ends on a photograph-trained SDXL-layout one, never a prompted one.
-    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (str(tmp_path / "gone.safetensors"),))
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (gone,))
     monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (sd15,))
     assert sdxl_figure.sdxl_figure(steps=1, images=1) == [
         f"# note: no SDXL-layout figure: {sd15} is a proxy of SD 1.5's layout"]
     assert sdxl_figure.sdxl_figure(steps=1, images=1, prompted=False) == [
         "# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy train --layout "
-        "sdxl --data photographs --seed 0 makes one)"]
-    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (str(tmp_path / "gone-too.safetensors"),))
+        f"sdxl --seed 0 --out {gone} makes one)"]
+    monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (gone_too,))
     monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (sd15,))
 
     # In the main job itself: the SD part's tables, then the figure's line.
@@ -276,10 +277,10 @@ def test_the_main_job_ends_with_the_sdxl_figure_or_says_why_it_has_none(monkeypa
     # An --unprompted main job ends on the photograph-trained kind too: here none is left, and it says which to train.
     monkeypatch.setattr(proxy, "SHIPPED_WEIGHTS", proxy.SHIPPED_WEIGHTS[:1])
     monkeypatch.setattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", (sd15,))
-    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (str(tmp_path / "gone.safetensors"),))
+    monkeypatch.setattr(proxy, "SHIPPED_SDXL_WEIGHTS", (gone,))
     assert cli.main(["--unprompted", "--steps", "1", "--repeats", "1", "--quiet", "--sheet", "", "--device", "cpu",
                      "--images", "1", "--ratios", "0.5", "--todo-factors", "2", "--no-ideal", "--methods", "ToDo",
                      "--skip", "block", "overhead", "memory"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("no SDXL-layout proxy here (python -m tome_core.bench.proxy train --layout sdxl "
-                                 "--data photographs --seed 0 makes one)")
+                                 f"--seed 0 --out {gone} makes one)")

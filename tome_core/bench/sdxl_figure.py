@@ -92,13 +92,14 @@ def sdxl_figure(steps: int = 20, sampler: str = "euler", images: int = 3, seed: 
         except ImportError:
             proxy = None
         # The prompted proxy first: users sample SDXL with a prompt and guidance, and its deep level matters.
-        wanted = (list(getattr(proxy, "SHIPPED_PROMPTED_SDXL_WEIGHTS", ())[:1]) if prompted else []) \
-            + list(getattr(proxy, "SHIPPED_SDXL_WEIGHTS", ()))
+        wanted = []
+        if proxy is not None:
+            first = proxy.SHIPPED_PROMPTED_SDXL_WEIGHTS[:1] if prompted else ()
+            wanted = list(first) + list(proxy.SHIPPED_SDXL_WEIGHTS)
         shipped = [p for p in wanted if os.path.isfile(p)]
         if not shipped:
-            data = "scenes" if prompted else "photographs"
-            return ["# note: no SDXL-layout figure: no SDXL-layout proxy here (python -m tome_core.bench.proxy "
-                    f"train --layout sdxl --data {data} --seed 0 makes one)"]
+            how = f" ({proxy.train_command(wanted[0])} makes one)" if wanted else ""
+            return [f"# note: no SDXL-layout figure: no SDXL-layout proxy here{how}"]
         path = shipped[0]
     try:
         label, pipe = load_proxies(torch.device("cpu"), torch.float32, [path])[0]
