@@ -46,6 +46,8 @@ def install_proxy(monkeypatch, pipe_factory=stand_in_pipeline, shipped: tuple[st
 
     module.load_proxy = load_proxy
     module.EVAL_SIZE = 16
+    # The stand-ins are all SD 1.5's layout: the real module's SDXL-layout lists, here empty.
+    module.SHIPPED_SDXL_WEIGHTS = module.SHIPPED_PROMPTED_SDXL_WEIGHTS = ()
     if shipped:
         module.SHIPPED_WEIGHTS = tuple(shipped)
         module.shipped_weights = lambda layouts=("sd15", "sdxl"), prompted=True: (
