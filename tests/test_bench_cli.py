@@ -259,6 +259,8 @@ def test_the_default_race_takes_the_sd15_layout_proxies_and_layouts_adds_the_sdx
 
     assert groups([]) == [[("seed 1", False, True), ("seed 2", False, True), ("seed 3", False, True)]]
     both = groups(["--layouts", "sd15", "sdxl"])
+    # The samplers room and the proxy trainer say --layout: the race takes that spelling as the same option.
+    assert arguments.parse_args(["--layout", "sd15", "sdxl"]).layouts == ["sd15", "sdxl"]
     assert [[(sdxl, prompted) for _, sdxl, prompted in group] for group in both] == [[(False, True)] * 3,
                                                                                      [(True, True)] * 3]
     assert groups(["--unprompted"]) == [[("seed 0", False, False), ("seed 1", False, False), ("seed 2", False, False)]]

@@ -148,3 +148,15 @@ def test_pairs_in_order_counts_the_pairs_a_figure_orders_as_the_pictures():
     assert samplers.pairs_in_order([40, 30, 20, 30], [5, 6, 1, 2]) == (4, 5)
     assert samplers.pairs_in_order([1, 2], [1, 2]) == (1, 1)
     assert samplers.pairs_in_order([1, 1], [3, 2]) == (0, 0)
+
+
+def test_the_room_takes_its_layout_as_the_main_race_spells_it_too():
+    """``--layouts`` (the race's spelling) is this room's ``--layout``, one layout a run; the default is SDXL's."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    samplers.add_run_arguments(ap)
+    assert ap.parse_args([]).layout == "sdxl"
+    assert ap.parse_args(["--layout", "sd15"]).layout == ap.parse_args(["--layouts", "sd15"]).layout == "sd15"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--layouts", "sd21"])

@@ -114,7 +114,9 @@ def median_cell(values: list[float]) -> str:
 def add_run_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of a run over the proxies and samplers, shared by this room and ``levels``: which proxies,
     samplers, steps, images, seeds, guidance and threads."""
-    ap.add_argument("--layout", choices=["sd15", "sdxl"], default="sdxl")
+    ap.add_argument("--layout", "--layouts", dest="layout", choices=["sd15", "sdxl"], default="sdxl",
+                    help="whose shipped prompted proxies to measure, one layout a run (default sdxl); --layouts is "
+                         "the same option, as the main race spells it")
     ap.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--images", type=int, default=3)
