@@ -9,7 +9,6 @@ import pytest
 
 import torch
 
-import tome_core
 from tome_core.bench import samplers
 from tome_core.bench.loading import load_proxies
 from tome_core.bench.fidelity import noise_for
@@ -87,21 +86,16 @@ def test_the_extensions_tome_is_raced_beside_the_papers(capsys):
     ours = samplers.final_pictures(pipe, noise, 3, "euler", 7, samplers.CONTENDERS["tome50-sw"][1])
     assert not torch.equal(papers, ours)
 
-    # The same settings as the main race's "ToMe 0.50" and "ToMe +sw 0.50" (its roster, its default seed and
-    # levels): the same pictures, so a figure of either room speaks for the other.
-    from tome_core.bench.contenders import Wrapped, roster
-    from tome_core.bench.sampling import sample
+    # The main race's "ToMe 0.50" and "ToMe +sw 0.50", sampled by the race's own path from the same noise: the
+    # same pictures, so a figure of either room speaks for the other.
+    from tome_core.bench.contenders import roster
+    from tome_core.bench.fidelity import sample_pictures
 
-    raced = {c.name: c for c in roster([0.5], [], with_tomesd=False, with_ideal=False, with_size_weighted=True)}
-    for name, pictures in (("ToMe 0.50", papers), ("ToMe +sw 0.50", ours)):
-        wrapped = Wrapped(pipe.unet)
-        raced[name].apply(wrapped)
-        try:
-            x = sample(pipe, noise, 3, "euler", 7,
-                       before_step=lambda i, n: tome_core.set_progress(wrapped, (i + 0.5) / n))
-        finally:
-            raced[name].remove(wrapped)
-        assert torch.equal(pipe.decode(x).float().cpu(), pictures), name
+    racers = [c for c in roster([0.5], [], with_tomesd=False, with_ideal=False, with_size_weighted=True)
+              if c.name in ("ToMe 0.50", "ToMe +sw 0.50")]
+    raced = sample_pictures(pipe, racers, pipe.size, 3, seed=0, images=1).images
+    assert torch.equal(raced["ToMe 0.50"], papers.clamp(0, 1))
+    assert torch.equal(raced["ToMe +sw 0.50"], ours.clamp(0, 1))
     assert samplers.main(["--layout", "sd15", "--proxy", proxy.SHIPPED_WEIGHTS[0], "--samplers", "euler",
                           "--contenders", "tome50-sw", "--steps", "2", "--images", "1"]) == 0
     assert "| ToMe 0.5 size-weighted |" in capsys.readouterr().out

@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layouts", "--layout", dest="layouts", nargs="+", default=["sd15"], choices=["sd15", "sdxl"],
                     help="the shipped prompted proxies to race, by layout (default sd15: the three SD 1.5-layout ones; "
                          "'sd15 sdxl' adds the three SDXL-layout ones, each layout raced apart, which more than "
-                         "triples the run's time; --layout is the same option, as the samplers room and the proxy trainer "
-                         "spell it)")
+                         "triples the run's time; --layout is the same option, as the samplers room and the proxy "
+                         "trainer spell it)")
     ap.add_argument("--sdxl-figure", action=argparse.BooleanOptionalAction, default=True,
                     help="end a run on the shipped SD 1.5-layout proxies with SDXL's settings (Cache, ToDo f=2 "
                          "levels 4) on the seed-0 SDXL-layout proxy: closeness, its levels skipped, multiply-adds "
